@@ -1,0 +1,559 @@
+#!/usr/bin/env python
+"""Forward benchmark of the MoE layer: mokgen against the torch baselines of ``mokgen/baselines.py``.
+
+    python tools/bench_forward.py [SPEC ...] [--tokens N] [--out bench/results/forward-h200.json] [--no-mokgen]
+
+Default shapes: the ep=64 per-rank share of kimi-k2, deepseek-v4-pro, glm-5, qwen3.5-397b-a17b (2048 tokens,
+local expert ids sampled with replacement, plus the shared expert) and the one-GPU qwen3-30b-a3b and
+gpt-oss-120b (4096 tokens). ``--tokens`` overrides T for every shape. Implementations per shape: ``mokgen``
+(``mokgen.compile(spec)``), ``torch_grouped_mm``, ``torch_gemm_only``, ``torch_loop``; once per run
+``dense_mm`` (bf16 8192^3). For each: median_ms, tflops (``2 * rows * 3 * H * I / time``), speedup over
+``torch_grouped_mm``, rel_err (Frobenius, against ``mokgen.reference.forward`` in float32, computed once per
+shape), bitwise determinism (two runs compared bit for bit). Records are APPENDED to the JSON list in ``--out``.
+
+Timing: ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")`` (CUDA-event medians without
+triton; wall-clock medians on CPU). ``--dry-run`` runs on the CPU with tiny made-up specs (or the given ones)
+and the CPU-capable baselines, to keep this script from rotting.
+
+An implementation that fails (e.g. ``mokgen.compile``) gets a record with null metrics and an extra ``error``
+string; the others go on. ``versions.mokgen`` is the git sha (``-dirty`` with local changes), or
+``$MOKGEN_GIT_SHA`` where the tree has no git history (the device machines' copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import torch  # noqa: E402
+
+from mokgen import baselines as B  # noqa: E402
+
+DEFAULT_SPECS = ["kimi-k2", "deepseek-v4-pro", "glm-5", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
+DEFAULT_OUT = "bench/results/forward-h200.json"
+IMPLS = ["mokgen", "torch_grouped_mm", "torch_gemm_only", "torch_loop", "dense_mm"]
+RECORD_FIELDS = ["gpu", "date", "versions", "shape", "dims", "impl", "median_ms", "tflops",
+                 "speedup_vs_grouped_mm", "rel_err", "bitwise_deterministic"]
+
+# tiny made-up specs for --dry-run without SPEC arguments (CPU-sized, multiples of 64)
+DRY_RUN_SPECS: list[dict[str, Any]] = [
+    dict(name="tiny-shared", hidden=256, ffn=128, experts=8, topk=6, ep=2, tokens=128, dtype="bf16",
+         shared_experts=1, activation="swiglu", swiglu_limit=None, gate_up_layout="concat", bias=False,
+         archs=["sm_90a"]),
+    dict(name="tiny-oai", hidden=128, ffn=128, experts=8, topk=2, ep=1, tokens=128, dtype="bf16",
+         shared_experts=0, activation="swiglu_oai", swiglu_limit=7.0, gate_up_layout="interleaved", bias=True,
+         archs=["sm_90a"]),
+]
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# specs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def resolve_spec(src: Any, tokens: int | None = None):
+    """A Spec from a preset name, YAML path or mapping: ``mokgen.spec.load_spec`` when importable, else the
+    minimal ``baselines.SimpleSpec`` (paths and mappings only). ``tokens`` overrides T."""
+    try:
+        from mokgen.spec import load_spec  # type: ignore
+    except ImportError:
+        load_spec = None
+    if load_spec is not None:
+        spec = load_spec(src)
+    else:
+        if isinstance(src, dict):
+            d = dict(src)
+        elif os.path.exists(str(src)):
+            import yaml
+
+            d = yaml.safe_load(Path(src).read_text())
+            d.setdefault("name", Path(src).stem)
+        else:
+            raise RuntimeError(f"spec {src!r}: mokgen.spec is not importable, so only YAML paths and mappings "
+                               "can be loaded")
+        spec = B.SimpleSpec.from_dict(d)
+    if tokens is not None and tokens != spec.tokens:
+        spec = _with_tokens(spec, tokens)
+    return spec
+
+
+def _with_tokens(spec, tokens: int):
+    import dataclasses
+
+    if dataclasses.is_dataclass(spec):
+        try:
+            return dataclasses.replace(spec, tokens=tokens)
+        except Exception:  # noqa: BLE001 - fall through to from_dict
+            pass
+    d = spec.to_dict()
+    d["tokens"] = tokens
+    return type(spec).from_dict(d)
+
+
+def spec_dims(spec) -> dict[str, Any]:
+    L = B._local_experts(spec)
+    S = int(spec.shared_experts)
+    T, K = int(spec.tokens), int(spec.topk)
+    return dict(T=T, H=int(spec.hidden), I=int(spec.ffn), K=K, S=S, local_experts=L, groups=L + S,
+                experts=int(spec.experts), ep=int(spec.ep), rows=T * (K + S), activation=spec.activation,
+                swiglu_limit=getattr(spec, "swiglu_limit", None), gate_up_layout=spec.gate_up_layout,
+                bias=bool(spec.bias))
+
+
+def spec_flops(spec) -> int:
+    d = spec_dims(spec)
+    return 2 * d["rows"] * 3 * d["H"] * d["I"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(spec, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """Fresh random inputs (never zeros): routing balanced in expectation; ids sampled with replacement when
+    topk exceeds the local experts, else K distinct experts per token."""
+    d = spec_dims(spec)
+    T, H, I, K, L, G = d["T"], d["H"], d["I"], d["K"], d["local_experts"], d["groups"]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device=device, generator=gen, dtype=torch.float32).mul_(scale)
+
+    x = randn(T, H).to(torch.bfloat16)
+    if K > L:
+        idx = torch.randint(0, L, (T, K), device=device, generator=gen)
+    else:
+        idx = torch.rand(T, L, device=device, generator=gen).argsort(dim=1)[:, :K]
+    topk_idx = idx.to(torch.int32).contiguous()
+    topk_weight = torch.softmax(randn(T, K), dim=-1).contiguous()
+    w1 = torch.empty(G, 2 * I, H, device=device, dtype=torch.bfloat16)
+    w2 = torch.empty(G, H, I, device=device, dtype=torch.bfloat16)
+    for g in range(G):  # group by group: no fp32 copy of all weights at once
+        w1[g].copy_(randn(2 * I, H, scale=H ** -0.5))
+        w2[g].copy_(randn(H, I, scale=I ** -0.5))
+    b1 = randn(G, 2 * I, scale=0.1) if d["bias"] else None
+    b2 = randn(G, H, scale=0.1) if d["bias"] else None
+    return dict(x=x, topk_idx=topk_idx, topk_weight=topk_weight, w1=w1, w2=w2, b1=b1, b2=b2)
+
+
+def reference_output(spec, inp: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """``mokgen.reference.forward`` in ``dtype``; ``baselines.loop_reference`` when that is not importable."""
+    args = (inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"], spec)
+    try:
+        from mokgen.reference import forward  # type: ignore
+    except ImportError:
+        forward = None
+    if forward is not None:
+        out = forward(*args, b1=inp["b1"], b2=inp["b2"], dtype=dtype)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return out, "mokgen.reference.forward"
+    return B.loop_reference(*args, b1=inp["b1"], b2=inp["b2"], dtype=dtype), "baselines.loop_reference"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing and checks
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Median of a callable: triton's do_bench on CUDA, CUDA events without triton, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device, warmup_ms: float = 25, rep_ms: float = 100):
+        self.device = device
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.do_bench = None
+        if device.type == "cuda":
+            try:
+                from triton.testing import do_bench
+
+                self.do_bench = do_bench
+            except ImportError:
+                pass
+
+    @property
+    def method(self) -> str:
+        if self.device.type != "cuda":
+            return "perf_counter median"
+        return "triton do_bench median" if self.do_bench else "cuda events median"
+
+    def __call__(self, fn: Callable[[], Any], reps: int | None = None, warmup: int | None = None) -> float:
+        """Median milliseconds. ``reps``/``warmup`` force fixed counts (for slow, syncing baselines)."""
+        if self.device.type != "cuda":
+            for _ in range(1 if warmup is None else warmup):
+                fn()
+            ts = []
+            for _ in range(3 if reps is None else reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ts)
+        if reps is None and self.do_bench is not None:
+            return float(self.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+        return self._events(fn, reps, warmup)
+
+    def _events(self, fn, reps, warmup) -> float:
+        torch.cuda.synchronize()
+        if reps is None:  # size the run like do_bench: ~warmup_ms + rep_ms
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            fn()
+            s.record()
+            for _ in range(3):
+                fn()
+            e.record()
+            torch.cuda.synchronize()
+            est = max(s.elapsed_time(e) / 3, 1e-3)
+            warmup = max(1, int(self.warmup_ms / est))
+            reps = max(5, int(self.rep_ms / est))
+        for _ in range(1 if warmup is None else warmup):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        return statistics.median(ts)
+
+
+def _flatten(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flatten(o)]
+    return []
+
+
+def bitwise_equal(a, b) -> bool:
+    ta, tb = _flatten(a), _flatten(b)
+    if len(ta) != len(tb):
+        return False
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        xb = x.contiguous().view(torch.uint8) if x.element_size() > 0 else x
+        yb = y.contiguous().view(torch.uint8) if y.element_size() > 0 else y
+        if not torch.equal(xb, yb):
+            return False
+    return True
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.to(torch.float64) if y.device.type == "cpu" else y.float()
+    r = ref.to(y.dtype)
+    den = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(y - r).item()
+    return num / den if den > 0 else num
+
+
+# ---------------------------------------------------------------------------------------------------------
+# versions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def collect_versions() -> dict[str, Any]:
+    v: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    from importlib.metadata import PackageNotFoundError, version
+
+    v["nvidia-cutlass-dsl"] = None
+    for dist in ("nvidia-cutlass-dsl", "nvidia_cutlass_dsl"):
+        try:
+            v["nvidia-cutlass-dsl"] = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    sha = os.environ.get("MOKGEN_GIT_SHA")  # for machines whose copy of the tree has no git history
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip() or None
+            if sha:
+                dirty = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain", "--untracked-files=no"],
+                                       capture_output=True, text=True, timeout=10).stdout.strip()
+                if dirty:
+                    sha += "-dirty"
+        except Exception:  # noqa: BLE001 - no git on the machine
+            sha = None
+    v["mokgen"] = sha
+    return v
+
+
+def gpu_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the benchmark
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _record(ctx, shape, dims, impl, ms, flops, base_ms, err, det, error=None) -> dict[str, Any]:
+    rec = dict(gpu=ctx["gpu"], date=ctx["date"], versions=ctx["versions"], shape=shape, dims=dims, impl=impl,
+               median_ms=ms, tflops=(flops / (ms * 1e-3) / 1e12) if ms else None,
+               speedup_vs_grouped_mm=(base_ms / ms) if (ms and base_ms) else None, rel_err=err,
+               bitwise_deterministic=det)
+    if error is not None:
+        rec["error"] = error
+    return rec
+
+
+def _short_error(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, device, loop_reps: int,
+                seed: int) -> list[dict[str, Any]]:
+    shape = spec.name
+    dims = spec_dims(spec)
+    flops = spec_flops(spec)
+    _log(f"[{shape}] T={dims['T']} H={dims['H']} I={dims['I']} K={dims['K']} S={dims['S']} "
+         f"L={dims['local_experts']} rows={dims['rows']} {dims['activation']}/{dims['gate_up_layout']}"
+         f"{' bias' if dims['bias'] else ''}")
+    inp = make_inputs(spec, device, seed=seed)
+    args = (inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"], spec)
+    kw = dict(b1=inp["b1"], b2=inp["b2"])
+    t0 = time.perf_counter()
+    ref_dtype = torch.float32
+    ref, ref_name = reference_output(spec, inp, ref_dtype)
+    _log(f"[{shape}] reference ({ref_name}, {ref_dtype}) {time.perf_counter() - t0:.1f}s")
+
+    results: dict[str, dict[str, Any]] = {}
+
+    def run(impl: str, fn: Callable[[], Any], check: bool, reps: int | None = None, warmup: int | None = None):
+        t1 = time.perf_counter()
+        try:
+            out1 = fn()
+            out2 = fn()
+            det = bitwise_equal(out1, out2)
+            err = rel_err(out1, ref) if check else None
+            del out1, out2
+            ms = timer(fn, reps=reps, warmup=warmup)
+            results[impl] = dict(ms=ms, err=err, det=det, error=None)
+            _log(f"[{shape}] {impl}: {ms:.4f} ms  {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s  rel_err="
+                 f"{'-' if err is None else f'{err:.2e}'}  det={det}  ({time.perf_counter() - t1:.1f}s)")
+        except Exception as e:  # noqa: BLE001 - record and go on with the other implementations
+            results[impl] = dict(ms=None, err=None, det=None, error=_short_error(e))
+            _log(f"[{shape}] {impl}: FAILED {_short_error(e)}")
+            if os.environ.get("MOKGEN_BENCH_TRACEBACK"):
+                traceback.print_exc()
+
+    if "torch_grouped_mm" in impls:
+        run("torch_grouped_mm", lambda: B.torch_grouped_mm(*args, **kw), check=True)
+    if "mokgen" in impls:
+        try:
+            import mokgen
+
+            t1 = time.perf_counter()
+            moe = mokgen.compile(spec)
+            _log(f"[{shape}] mokgen.compile {time.perf_counter() - t1:.1f}s")
+            run("mokgen", lambda: moe(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
+                                      inp["b1"], inp["b2"]), check=True)
+        except Exception as e:  # noqa: BLE001
+            results["mokgen"] = dict(ms=None, err=None, det=None, error=_short_error(e))
+            _log(f"[{shape}] mokgen: compile FAILED {_short_error(e)}")
+            if os.environ.get("MOKGEN_BENCH_TRACEBACK"):
+                traceback.print_exc()
+        finally:
+            moe = None
+    if "torch_gemm_only" in impls:
+        try:
+            g_inp = B.prepare_gemm_only(inp["x"], inp["topk_idx"], inp["w1"], inp["w2"], spec)
+            run("torch_gemm_only", lambda: B.torch_gemm_only(g_inp), check=False)
+            del g_inp
+        except Exception as e:  # noqa: BLE001
+            results["torch_gemm_only"] = dict(ms=None, err=None, det=None, error=_short_error(e))
+    if "torch_loop" in impls:
+        run("torch_loop", lambda: B.torch_loop(*args, **kw), check=True, reps=loop_reps, warmup=1)
+
+    base = results.get("torch_grouped_mm", {}).get("ms")
+    order = [i for i in IMPLS if i in results]
+    recs = [_record(ctx, shape, dims, i, results[i]["ms"], flops, base, results[i]["err"], results[i]["det"],
+                    results[i]["error"]) for i in order]
+    del inp, ref, args, kw
+    return recs
+
+
+def bench_dense(n: int, ctx, timer: Timer, device) -> dict[str, Any]:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(1)
+    a = torch.randn(n, n, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device, generator=gen).to(torch.bfloat16)
+    dims = dict(M=n, N=n, K=n)
+    try:
+        out1, out2 = B.dense_mm(a, b), B.dense_mm(a, b)
+        det = bitwise_equal(out1, out2)
+        del out1, out2
+        ms = timer(lambda: B.dense_mm(a, b))
+        rec = _record(ctx, f"dense-{n}", dims, "dense_mm", ms, 2 * n ** 3, None, None, det)
+        _log(f"[dense-{n}] dense_mm: {ms:.4f} ms  {rec['tflops']:.1f} TFLOP/s  det={det}")
+    except Exception as e:  # noqa: BLE001
+        rec = _record(ctx, f"dense-{n}", dims, "dense_mm", None, 2 * n ** 3, None, None, None, _short_error(e))
+    del a, b
+    return rec
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def print_table(records: list[dict[str, Any]], title: str) -> None:
+    header = ["shape", "impl", "median_ms", "TFLOP/s", "vs grouped_mm", "rel_err", "det"]
+    rows = []
+    for r in records:
+        if r.get("error"):
+            rows.append([r["shape"], r["impl"], "ERROR", r["error"][:48], "", "", ""])
+            continue
+        rows.append([r["shape"], r["impl"], f"{r['median_ms']:.4f}",
+                     f"{r['tflops']:.1f}" if r["tflops"] >= 10 else f"{r['tflops']:.3g}",
+                     "-" if r["speedup_vs_grouped_mm"] is None else f"{r['speedup_vs_grouped_mm']:.2f}x",
+                     "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
+                     "-" if r["bitwise_deterministic"] is None else ("yes" if r["bitwise_deterministic"] else "NO")])
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for i, h in enumerate(header):
+            t.add_column(h, justify="left" if i < 2 else "right")
+        for row in rows:
+            t.add_row(*row)
+        Console(width=max(120, Console().width)).print(t)
+    except ImportError:
+        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+        print(title)
+        print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def append_records(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    old: list[Any] = []
+    if p.exists() and p.stat().st_size > 0:
+        old = json.loads(p.read_text())
+        if not isinstance(old, list):
+            raise ValueError(f"{p}: expected a JSON list of records")
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(old + records, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_forward", description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="*", metavar="SPEC", help=f"preset names or YAML paths (default: "
+                    f"{' '.join(DEFAULT_SPECS)}; with --dry-run: tiny made-up specs)")
+    ap.add_argument("--tokens", type=int, default=None, help="override T (tokens per rank) for every shape")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON list file the records are appended to "
+                    f"(default {DEFAULT_OUT}); '-' writes nothing")
+    ap.add_argument("--no-mokgen", action="store_true", help="baselines only")
+    ap.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense_mm ceiling")
+    ap.add_argument("--dense-size", type=int, default=None, help="dense matmul size (default 8192; 256 dry-run)")
+    ap.add_argument("--loop-reps", type=int, default=3, help="timed reps of torch_loop (default 3)")
+    ap.add_argument("--warmup-ms", type=float, default=25.0)
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny specs, CPU-capable baselines only")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.dry_run:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("bench_forward: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
+        return 2
+
+    impls = list(IMPLS) if args.impls is None else [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        print(f"bench_forward: --impls: unknown {bad}, choose from {IMPLS}", file=sys.stderr)
+        return 2
+    if args.no_mokgen:
+        impls = [i for i in impls if i != "mokgen"]
+    if args.no_dense:
+        impls = [i for i in impls if i != "dense_mm"]
+    if device.type == "cpu":
+        if "mokgen" in impls:
+            _log("dry-run: mokgen skipped (needs a GPU)")
+            impls.remove("mokgen")
+        ok, why = B.grouped_mm_available(device)
+        if not ok:
+            for i in ("torch_grouped_mm", "torch_gemm_only"):
+                if i in impls:
+                    _log(f"dry-run: {i} skipped ({why})")
+                    impls.remove(i)
+
+    srcs: list[Any] = list(args.specs) or (DRY_RUN_SPECS if args.dry_run else DEFAULT_SPECS)
+    try:
+        specs = [resolve_spec(s, args.tokens) for s in srcs]
+    except Exception as e:  # noqa: BLE001 - one clear line
+        print(f"bench_forward: {_short_error(e)}", file=sys.stderr)
+        return 2
+
+    timer = Timer(device, args.warmup_ms, args.rep_ms)
+    ctx = dict(gpu=gpu_name(device), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               versions=collect_versions())
+    _log(f"bench_forward on {ctx['gpu']}; {timer.method}; versions {ctx['versions']}; impls {impls}")
+    records: list[dict[str, Any]] = []
+    shape_impls = [i for i in impls if i != "dense_mm"]
+    t_start = time.perf_counter()
+    with torch.no_grad():
+        if shape_impls:
+            for i, spec in enumerate(specs):
+                records += bench_shape(spec, shape_impls, ctx, timer, device, args.loop_reps, args.seed + i)
+                _free(device)
+        if "dense_mm" in impls:
+            n = args.dense_size or (256 if device.type == "cpu" else 8192)
+            records.append(bench_dense(n, ctx, timer, device))
+            _free(device)
+    _log(f"total {time.perf_counter() - t_start:.1f}s")
+    print_table(records, f"MoE forward, {ctx['gpu']} ({timer.method})")
+    if args.out != "-":
+        append_records(args.out, records)
+        _log(f"appended {len(records)} records to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
