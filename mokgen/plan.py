@@ -1,0 +1,508 @@
+"""The plan stage: `Spec` + `Arch` -> `Plan` (tile shapes, pipeline depth, raster, overlap chunk, capacity).
+
+The kernels compute two expert-grouped GEMMs over the padded permuted row space (docs/contract.md):
+GEMM1 ``h = SwiGLU(x[rows] . w1ᵀ)`` (N = 2*ffn, K = hidden) and GEMM2 ``ys = h . w2ᵀ`` (N = hidden, K = ffn).
+The rules the sm_90a kernels impose are written as sympy expressions and solved for each candidate tile;
+a cost model ranks the candidates and `explain` prints the whole derivation with its numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import sympy as sp
+
+from .spec import Spec
+
+__all__ = [
+    "Arch", "ARCHS", "get_arch", "GemmPlan", "Plan", "PlanError",
+    "cap_rows", "candidates", "solve", "explain", "OVERRIDES",
+]
+
+
+class PlanError(ValueError):
+    """No valid plan (or an invalid override); the message is one line starting with the field path."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    sms: int
+    smem_per_cta: int  # bytes of shared memory one CTA can use
+    regs_per_sm: int
+    max_threads: int  # per CTA
+    has_wgmma: bool
+    has_tcgen05: bool
+    peak_bf16_tflops: float  # dense bf16 tensor-core rate a well-tuned GEMM reaches
+    hbm_tbps: float
+    l2_bytes: int
+
+
+ARCHS = {
+    # peak: the CuTe DSL dense GEMM measured on our H200; hbm: measured copy bandwidth.
+    "sm_90a": Arch("sm_90a", 132, 232448 - 1024, 65536, 1024, True, False, 811.0, 4.27, 50 * 2**20),
+    # B200 datasheet figures, until we can measure one.
+    "sm_100a": Arch("sm_100a", 148, 232448 - 1024, 65536, 1024, False, True, 2250.0, 8.0, 126 * 2**20),
+}
+
+
+def get_arch(name: str) -> Arch:
+    try:
+        return ARCHS[name]
+    except (KeyError, TypeError):
+        raise PlanError(f"plan.arch: unknown arch {name!r}; known archs: {', '.join(ARCHS)}") from None
+
+
+# ---- kernel constants (sm_90a, bf16) ---------------------------------------------------------------------
+BM = 128  # M tile: 2 consumer warpgroups x 64 rows (cooperative)
+BK = 64  # K tile; the spec guarantees hidden % 64 == ffn % 64 == 0
+BN_CHOICES = (64, 128, 192, 256)
+CONSUMER_WGS = 2
+WARPGROUP = 128  # threads
+MIN_STAGES, MAX_STAGES = 3, 7
+EPI_M, EPI_N, EPI_BUFFERS = 64, 32, 2  # epilogue sub-tile staged through shared memory, double-buffered
+BARRIER_BYTES = 1024
+ELEM_BYTES = 2  # bf16
+RASTER_MAX = 8
+PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
+REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epilogue, SwiGLU): an estimate
+# Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
+# measurements: narrow tiles re-read A more often per flop and keep fewer wgmma in flight.
+MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
+OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group")
+RASTER_OVERRIDE_MAX = 64
+
+# ---- the rules, symbolically -------------------------------------------------------------------------------
+_smem, _epi, _bar = sp.symbols("smem_cta epi_bytes barrier_bytes", positive=True)
+_bm, _bn, _bk, _k, _n, _l2, _sms = sp.symbols("BM BN BK K N L2 C", positive=True)
+_stages, _raster, _chunk = sp.symbols("stages r T_chunk", positive=True)
+
+STAGE_BYTES = ELEM_BYTES * _bk * (_bm + _bn)
+# stages * STAGE_BYTES + epilogue + barriers <= smem_per_cta
+STAGES_FIT = sp.solve(sp.Eq(_stages * STAGE_BYTES + _epi + _bar, _smem), _stages)[0]
+# the panel's A rows (r M tiles) plus the B tile streamed across them stay within half the L2
+PANEL_BYTES = ELEM_BYTES * _k * (_raster * _bm + _bn)
+RASTER_FIT = sp.solve(sp.Eq(PANEL_BYTES, _l2 / 2), _raster)[0]
+# MoK overlap: a chunk of T_chunk rows must hold >= 2 waves of tiles, (T_chunk/BM) * (N/BN) >= 2*C
+CHUNK_MIN = sp.solve(sp.Eq((_chunk / _bm) * (_n / _bn), 2 * _sms), _chunk)[0]
+
+
+def _epi_bytes() -> int:
+    return EPI_M * EPI_N * ELEM_BYTES * EPI_BUFFERS
+
+
+def _stage_bytes(bn: int) -> int:
+    return int(STAGE_BYTES.subs({_bk: BK, _bm: BM, _bn: bn}))
+
+
+def _stages_bound(arch: Arch, bn: int) -> sp.Rational:
+    values = {_smem: arch.smem_per_cta, _epi: _epi_bytes(), _bar: BARRIER_BYTES, _bk: BK, _bm: BM, _bn: bn}
+    return STAGES_FIT.subs(values)
+
+
+def _stages_fit(arch: Arch, bn: int) -> int:
+    return int(sp.floor(_stages_bound(arch, bn)))
+
+
+def _consumer_regs(arch: Arch) -> int:
+    """Registers per consumer thread once the producer warpgroup has given its share back (multiple of 8)."""
+    free = (arch.regs_per_sm - WARPGROUP * PRODUCER_REGS) // (CONSUMER_WGS * WARPGROUP)
+    return min(255, free) // 8 * 8
+
+
+def _acc_regs(bn: int) -> int:
+    """fp32 accumulator registers per consumer thread: each warpgroup holds (BM / wgs) x BN."""
+    return BM // CONSUMER_WGS * bn // WARPGROUP
+
+
+def _raster_bound(arch: Arch, k: int, bn: int) -> sp.Rational:
+    return RASTER_FIT.subs({_l2: arch.l2_bytes, _k: k, _bm: BM, _bn: bn})
+
+
+def _raster_group(arch: Arch, k: int, bn: int) -> int:
+    """The largest power of two <= the L2 bound, capped at RASTER_MAX (1 if even one M tile overflows)."""
+    fit = int(sp.floor(_raster_bound(arch, k, bn)))
+    return min(RASTER_MAX, 1 << max(0, fit.bit_length() - 1))
+
+
+def _chunk_rows(arch: Arch, n_tiles: int) -> int:
+    """Smallest multiple of BM whose row tiles times `n_tiles` reach 2 waves (N/BN = n_tiles, partial tile included)."""
+    rows = CHUNK_MIN.subs({_bm: BM, _bn: 1, _n: n_tiles, _sms: arch.sms})
+    return BM * int(sp.ceiling(rows / BM))
+
+
+def cap_rows(spec: Spec, bm: int, tokens: int) -> int:
+    """Worst-case padded rows for `tokens` tokens: T*K + S*T + G*(BM-1), rounded up to BM (nothing dropped)."""
+    worst = tokens * spec.topk + spec.shared_experts * tokens + spec.groups * (bm - 1)
+    return -(-worst // bm) * bm
+
+
+def _gemm_shape(spec: Spec, which: int) -> tuple[int, int]:
+    """(N, K) of GEMM1 or GEMM2."""
+    return (2 * spec.ffn, spec.hidden) if which == 1 else (spec.hidden, spec.ffn)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One expert-grouped GEMM. Tile t of the persistent loop maps to panel = t // (raster_group * n_tiles) and,
+    inside the panel, m = panel * raster_group + t % raster_group, n = (t // raster_group) % n_tiles: the M tile
+    varies fastest, so the B tile is reused by raster_group consecutive tiles while the panel's A rows stay in L2."""
+
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    consumer_wgs: int  # 2 = cooperative: each warpgroup computes 64 rows of the 128-row tile
+    epi_m: int
+    epi_n: int
+    raster_group: int
+    a_load: str  # "gather" (cp.async row gather, GEMM1) or "tma"
+    n_tiles: int
+    k_tiles: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GemmPlan:
+        return cls(**_fields(cls, data, "plan.gemm"))
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    arch: str
+    gemm1: GemmPlan
+    gemm2: GemmPlan
+    bm: int
+    cap_rows: int
+    max_m_tiles: int
+    chunk_rows: int  # MoK overlap granularity: GEMM2 may start on a chunk of rows once GEMM1 has written them
+    waves1: float
+    waves2: float
+    predicted_ms: float
+    predicted_tflops: float
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.gemm1.bm == self.gemm2.bm == self.bm:
+            raise PlanError(
+                f"plan.bm: GEMM1 and GEMM2 must share the M tile, got {self.gemm1.bm}, {self.gemm2.bm}, {self.bm}")
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(spec=self.spec.to_dict(), gemm1=self.gemm1.to_dict(), gemm2=self.gemm2.to_dict(),
+                 notes=list(self.notes))
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        d = _fields(cls, data, "plan")
+        d.update(spec=Spec.from_dict(d["spec"]), gemm1=GemmPlan.from_dict(d["gemm1"]),
+                 gemm2=GemmPlan.from_dict(d["gemm2"]))
+        return cls(**d)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def _fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(data, Mapping) or set(data) != names:
+        got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+        raise PlanError(f"{where}: expected the keys {sorted(names)}, got {got}")
+    return dict(data)
+
+
+# ---- candidates ----------------------------------------------------------------------------------------------
+def _gemm_problem(spec: Spec, arch: Arch, which: int, bn: Any) -> str | None:
+    """Why tile N `bn` cannot be used for GEMM `which`, or None."""
+    if isinstance(bn, bool) or not isinstance(bn, int) or bn not in BN_CHOICES:
+        return f"tile N must be one of {', '.join(map(str, BN_CHOICES))}, got {bn!r}"
+    if which == 1 and spec.ffn % (bn // 2):
+        return (f"a GEMM1 tile of {bn} columns holds {bn // 2} gate + {bn // 2} up outputs, "
+                f"but ffn {spec.ffn} % {bn // 2} = {spec.ffn % (bn // 2)}")
+    if _stages_fit(arch, bn) < MIN_STAGES:
+        return f"{MIN_STAGES} stages of {_stage_bytes(bn)} B do not fit {arch.smem_per_cta} B of shared memory"
+    if _acc_regs(bn) + REG_OVERHEAD > _consumer_regs(arch):
+        return (f"{_acc_regs(bn)} accumulator registers + {REG_OVERHEAD} exceed "
+                f"{_consumer_regs(arch)} per consumer thread")
+    return None
+
+
+def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
+    n, k = _gemm_shape(spec, which)
+    return GemmPlan(
+        bm=BM, bn=bn, bk=BK,
+        stages=min(MAX_STAGES, _stages_fit(arch, bn)),
+        consumer_wgs=CONSUMER_WGS, epi_m=EPI_M, epi_n=EPI_N,
+        raster_group=_raster_group(arch, k, bn),
+        a_load="gather" if which == 1 else "tma",
+        n_tiles=-(-n // bn), k_tiles=k // BK,
+    )
+
+
+def _m_tiles(spec: Spec) -> int:
+    """M tiles at spec.tokens under balanced routing: routed rows spread evenly, every shared group gets T rows."""
+    q, extra = divmod(spec.routed_rows, spec.local_experts)
+    routed = extra * -(-(q + 1) // BM) + (spec.local_experts - extra) * -(-q // BM)
+    return routed + spec.shared_experts * -(-spec.tokens // BM)
+
+
+@dataclass(frozen=True)
+class _GemmCost:
+    flops: int  # useful flops
+    bytes: int  # HBM traffic: weights (+ biases), A rows, output rows
+    tiles: int
+    row_eff: float  # useful / padded rows
+    n_eff: float  # N / (n_tiles * bn): below 1 with a partial N tile
+    wave_eff: float  # tiles / (ceil(waves) * sms)
+    mainloop_eff: float
+    compute_ms: float
+    memory_ms: float
+
+    @property
+    def eff(self) -> float:
+        return self.row_eff * self.n_eff * self.wave_eff * self.mainloop_eff
+
+    @property
+    def ms(self) -> float:
+        return max(self.compute_ms, self.memory_ms)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_ms > self.compute_ms else "compute"
+
+
+def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
+    n, k = _gemm_shape(spec, which)
+    m_tiles = _m_tiles(spec)
+    padded = m_tiles * BM
+    tiles = m_tiles * g.n_tiles
+    row_eff = spec.rows / padded
+    n_eff = n / (g.n_tiles * g.bn)
+    wave_eff = tiles / (-(-tiles // arch.sms) * arch.sms)
+    mainloop_eff = MAINLOOP_EFF[g.bn]
+    flops = 2 * spec.rows * n * k
+    a_rows = spec.rows if which == 1 else padded  # GEMM1 gathers only real rows; GEMM2 reads all of h
+    out_cols = spec.ffn if which == 1 else spec.hidden
+    bias_bytes = 4 * spec.groups * n if spec.bias else 0
+    nbytes = ELEM_BYTES * (spec.groups * n * k + a_rows * k + padded * out_cols) + bias_bytes
+    compute_ms = flops / (arch.peak_bf16_tflops * 1e9 * row_eff * n_eff * wave_eff * mainloop_eff)
+    memory_ms = nbytes / (arch.hbm_tbps * 1e9)
+    return _GemmCost(flops, nbytes, tiles, row_eff, n_eff, wave_eff, mainloop_eff, compute_ms, memory_ms)
+
+
+def _glue_bytes(spec: Spec) -> int:
+    """Routing (indices/weights in; row_src, row_w, slot_pos out) and combine (ys rows in, y out)."""
+    slots = spec.tokens * (spec.topk + spec.shared_experts)
+    routing = 8 * spec.routed_rows + 8 * _m_tiles(spec) * BM + 4 * slots
+    combine = 4 * slots + ELEM_BYTES * spec.rows * spec.hidden + ELEM_BYTES * spec.tokens * spec.hidden
+    return routing + combine
+
+
+def _costs(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan) -> tuple[_GemmCost, _GemmCost, float]:
+    """(GEMM1 cost, GEMM2 cost, routing + combine ms)."""
+    return _gemm_cost(spec, arch, 1, g1), _gemm_cost(spec, arch, 2, g2), _glue_bytes(spec) / (arch.hbm_tbps * 1e9)
+
+
+def _rank_key(spec: Spec, arch: Arch, plan: Plan) -> tuple:
+    """Predicted time; ties (memory-bound GEMMs) go to the faster mainloop, then to wider tiles."""
+    c1, c2, _ = _costs(spec, arch, plan.gemm1, plan.gemm2)
+    return plan.predicted_ms, c1.compute_ms + c2.compute_ms, -plan.gemm1.bn, -plan.gemm2.bn
+
+
+def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[str, ...] = ()) -> Plan:
+    c1, c2, glue_ms = _costs(spec, arch, g1, g2)
+    ms = c1.ms + c2.ms + glue_ms
+    cap = cap_rows(spec, BM, spec.tokens)
+    return Plan(
+        spec=spec, arch=arch.name, gemm1=g1, gemm2=g2, bm=BM,
+        cap_rows=cap, max_m_tiles=cap // BM,
+        chunk_rows=max(_chunk_rows(arch, g1.n_tiles), _chunk_rows(arch, g2.n_tiles)),
+        waves1=round(c1.tiles / arch.sms, 3), waves2=round(c2.tiles / arch.sms, 3),
+        predicted_ms=float(f"{ms:.6g}"), predicted_tflops=round(spec.flops_forward / ms / 1e9, 1),
+        notes=_auto_notes(spec, arch, g2, c1, c2) + notes,
+    )
+
+
+def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCost) -> tuple[str, ...]:
+    notes = []
+    if not arch.has_wgmma:
+        notes.append(f"{arch.name}: planned with the sm_90a tile rules; its tcgen05 kernels come later")
+    if spec.hidden % g2.bn:
+        notes.append(
+            f"GEMM2 bn {g2.bn} leaves a partial N tile: hidden {spec.hidden} % {g2.bn} = {spec.hidden % g2.bn}")
+    ridge = arch.peak_bf16_tflops / arch.hbm_tbps
+    for name, c in (("GEMM1", c1), ("GEMM2", c2)):
+        if c.bound == "memory":
+            notes.append(f"{name} is memory bound at T={spec.tokens}: "
+                         f"{c.flops / c.bytes:.0f} flop/B < ridge {ridge:.0f} flop/B")
+    return tuple(notes)
+
+
+def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
+    """Every valid (GEMM1 bn, GEMM2 bn) plan, best first."""
+    a = get_arch(arch)
+    g1s = [_gemm_plan(spec, a, 1, bn) for bn in BN_CHOICES if _gemm_problem(spec, a, 1, bn) is None]
+    g2s = [_gemm_plan(spec, a, 2, bn) for bn in BN_CHOICES if _gemm_problem(spec, a, 2, bn) is None]
+    plans = [_make_plan(spec, a, g1, g2) for g1 in g1s for g2 in g2s]  # bn 64 always fits: never empty
+    return sorted(plans, key=lambda p: _rank_key(spec, a, p))
+
+
+def _int_override(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"plan.{key}: must be an integer, got {value!r}")
+    return value
+
+
+def solve(spec: Spec, arch: str = "sm_90a", **overrides: int) -> Plan:
+    """The best plan for `spec` on `arch`. Overrides force a candidate (for tune): gemm1_bn, gemm2_bn,
+    gemm1_stages, gemm2_stages, raster_group (both GEMMs)."""
+    a = get_arch(arch)
+    for key in overrides:
+        if key not in OVERRIDES:
+            raise PlanError(f"plan.{key}: unknown override; allowed: {', '.join(OVERRIDES)}")
+    for which in (1, 2):
+        key = f"gemm{which}_bn"
+        if key in overrides and (problem := _gemm_problem(spec, a, which, overrides[key])):
+            raise PlanError(f"plan.{key}: {problem}")
+    best = next(
+        p for p in candidates(spec, arch)
+        if p.gemm1.bn == overrides.get("gemm1_bn", p.gemm1.bn) and p.gemm2.bn == overrides.get("gemm2_bn", p.gemm2.bn)
+    )
+    if not overrides:
+        return best
+    gemms = {1: best.gemm1, 2: best.gemm2}
+    for which, g in gemms.items():
+        key = f"gemm{which}_stages"
+        if key in overrides:
+            stages, most = _int_override(key, overrides[key]), min(MAX_STAGES, _stages_fit(a, g.bn))
+            if not MIN_STAGES <= stages <= most:
+                raise PlanError(
+                    f"plan.{key}: must be in [{MIN_STAGES}, {most}] for bn {g.bn} on {a.name}, got {stages}")
+            gemms[which] = dataclasses.replace(g, stages=stages)
+    if "raster_group" in overrides:
+        r = _int_override("raster_group", overrides["raster_group"])
+        if not 1 <= r <= RASTER_OVERRIDE_MAX:
+            raise PlanError(f"plan.raster_group: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
+        gemms = {w: dataclasses.replace(g, raster_group=r) for w, g in gemms.items()}
+    forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
+    return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",))
+
+
+# ---- explain -----------------------------------------------------------------------------------------------
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
+    n, k = _gemm_shape(spec, which)
+    title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
+    if which == 1:
+        bn_rule = f"{g.bn // 2} gate + {g.bn // 2} up columns per tile; ffn {spec.ffn} % {g.bn // 2} = 0"
+    elif n % g.bn:
+        bn_rule = f"hidden {n} % {g.bn} = {n % g.bn}: the last N tile is partial (N efficiency {_pct(c.n_eff)})"
+    else:
+        bn_rule = f"hidden {n} % {g.bn} = 0"
+    stage = _stage_bytes(g.bn)
+    fit = _stages_bound(arch, g.bn)
+    used = g.stages * stage + _epi_bytes() + BARRIER_BYTES
+    r_fit = _raster_bound(arch, k, g.bn)
+    waves = c.tiles / arch.sms
+    return [
+        f"{title}: N = {n}, K = {k}, A by {g.a_load}",
+        f"  bn = {g.bn}: {bn_rule}",
+        f"  smem per stage = {STAGE_BYTES} = {stage} B; epilogue {EPI_M}x{EPI_N} x2 buffers = {_epi_bytes()} B; "
+        f"barriers {BARRIER_BYTES} B",
+        f"  stages <= {STAGES_FIT} = {float(fit):.2f} -> stages = {g.stages} "
+        f"(range [{MIN_STAGES}, {MAX_STAGES}]; {used} of {arch.smem_per_cta} B smem)",
+        f"  registers: accumulator {BM // CONSUMER_WGS}x{g.bn} / {WARPGROUP} threads = {_acc_regs(g.bn)} "
+        f"+ {REG_OVERHEAD} <= {_consumer_regs(arch)} per consumer thread; "
+        f"{(CONSUMER_WGS + 1) * WARPGROUP} threads per CTA",
+        f"  raster: {PANEL_BYTES} <= L2/2  =>  r <= {RASTER_FIT} = {float(r_fit):.2f} "
+        f"-> raster_group = {g.raster_group}",
+        f"  tiles = {_m_tiles(spec)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "
+        f"-> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
+    ]
+
+
+def _describe_cost(c: _GemmCost) -> str:
+    return (f"{c.ms:.4f} ms {c.bound:<7} (eff {_pct(c.eff)} = rows {_pct(c.row_eff)} x N {_pct(c.n_eff)} "
+            f"x waves {_pct(c.wave_eff)} x mainloop {_pct(c.mainloop_eff)})")
+
+
+def _describe_candidate(spec: Spec, arch: Arch, p: Plan) -> str:
+    c1, c2, _ = _costs(spec, arch, p.gemm1, p.gemm2)
+    return (f"  bn1={p.gemm1.bn:<3} bn2={p.gemm2.bn:<3} {p.predicted_ms:.4f} ms {p.predicted_tflops:7.1f} TFLOP/s"
+            f"  GEMM1 {c1.ms:.4f} ms eff {_pct(c1.eff)} ({c1.bound}), "
+            f"GEMM2 {c2.ms:.4f} ms eff {_pct(c2.eff)} ({c2.bound})")
+
+
+def _verdict(spec: Spec, arch: Arch, plan: Plan, ranked: list[Plan]) -> str:
+    label = f"bn1={plan.gemm1.bn}/bn2={plan.gemm2.bn}"
+    if (ranked[0].gemm1, ranked[0].gemm2) != (plan.gemm1, plan.gemm2):
+        best = ranked[0]
+        return (f"chosen by overrides; the solver's best is bn1={best.gemm1.bn}/bn2={best.gemm2.bn} "
+                f"at {best.predicted_ms:.4f} ms")
+    if len(ranked) == 1:
+        return f"{label} is the only valid candidate"
+    other = ranked[1]
+    o_label = f"bn1={other.gemm1.bn}/bn2={other.gemm2.bn}"
+    if other.predicted_ms > plan.predicted_ms:
+        gap = other.predicted_ms / plan.predicted_ms - 1
+        return f"{label} wins: {plan.predicted_ms:.4f} ms, {_pct(gap)} ahead of the runner-up {o_label}"
+    mine, theirs = (_rank_key(spec, arch, p)[1] for p in (plan, other))
+    return (f"{label} ties {o_label} on predicted time (memory bound) and wins on compute time "
+            f"{mine:.4f} vs {theirs:.4f} ms")
+
+
+def explain(plan: Plan, top: int = 5) -> str:
+    """A readable derivation of `plan`: inputs, every constraint with its numbers, and the ranking."""
+    spec, arch = plan.spec, get_arch(plan.arch)
+    c1, c2, glue_ms = _costs(spec, arch, plan.gemm1, plan.gemm2)
+    q, extra = divmod(spec.routed_rows, spec.local_experts)
+    n_min = min(plan.gemm1.n_tiles, plan.gemm2.n_tiles)
+    ranked = candidates(spec, plan.arch)
+    lines = [
+        f"plan for {spec.name} on {arch.name}: {arch.sms} SMs, {arch.smem_per_cta} B smem per CTA, "
+        f"{arch.peak_bf16_tflops:g} TFLOP/s bf16, {arch.hbm_tbps:g} TB/s HBM, L2 {arch.l2_bytes // 2**20} MiB",
+        f"inputs: T={spec.tokens} H={spec.hidden} I={spec.ffn} experts={spec.experts} ep={spec.ep} "
+        f"-> {spec.local_experts} local + {spec.shared_experts} shared = {spec.groups} groups, top-{spec.topk}, "
+        f"{spec.activation}, {spec.dtype}",
+        f"rows = T*(K+S) = {spec.rows}; balanced routing: {spec.local_experts - extra} groups x {q} rows"
+        + (f" + {extra} x {q + 1}" if extra else "")
+        + (f", {spec.shared_experts} shared x {spec.tokens}" if spec.shared_experts else "")
+        + f" -> {_m_tiles(spec)} M tiles of {BM} (row efficiency {_pct(c1.row_eff)})",
+        f"tile M = {plan.bm} ({CONSUMER_WGS} consumer warpgroups x {plan.bm // CONSUMER_WGS} rows), tile K = {BK}",
+        "",
+        *_explain_gemm(spec, arch, 1, plan.gemm1, c1),
+        "",
+        *_explain_gemm(spec, arch, 2, plan.gemm2, c2),
+        "",
+        f"chunk (MoK overlap): (T_chunk/BM)*(N/BN) >= 2*C  =>  T_chunk >= {CHUNK_MIN}",
+        f"  N/BN = min({plan.gemm1.n_tiles}, {plan.gemm2.n_tiles}) = {n_min}, C = {arch.sms}: "
+        f"chunk_rows = {plan.bm} * ceil({2 * arch.sms}/{n_min}) = {plan.chunk_rows} "
+        f"({plan.chunk_rows // plan.bm * n_min} tiles >= {2 * arch.sms})",
+        f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
+        f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
+        f"max_m_tiles = {plan.max_m_tiles}",
+        "",
+        "cost: time = max(flops / (peak * eff), bytes / HBM) per GEMM, + routing/combine bytes / HBM",
+        f"  GEMM1 {_describe_cost(c1)}",
+        f"  GEMM2 {_describe_cost(c2)}",
+        f"  routing + combine {glue_ms:.4f} ms",
+        f"  predicted {plan.predicted_ms:.4f} ms = {plan.predicted_tflops:g} TFLOP/s "
+        f"({spec.flops_forward / 1e9:.1f} GFLOP forward)",
+        f"top candidates (of {len(ranked)}):",
+        *(_describe_candidate(spec, arch, p) for p in ranked[:top]),
+        _verdict(spec, arch, plan, ranked),
+    ]
+    if plan.notes:
+        lines += ["notes:", *(f"  - {n}" for n in plan.notes)]
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""The spec stage: a YAML file, a preset name or a mapping -> a validated, frozen `Spec`.
+
+A spec describes one rank's share of an MoE layer (see docs/contract.md). Every field is checked when a
+`Spec` is built; a bad value raises `SpecError` with a one-line message that starts with the field path,
+e.g. ``spec.hidden: must be a positive multiple of 64, got 100``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+__all__ = ["Spec", "SpecError", "load_spec", "list_presets", "KNOWN_ARCHS", "K_BLOCK", "MAX_TOKENS"]
+
+KNOWN_ARCHS = ("sm_90a", "sm_100a")
+DTYPES = ("bf16",)
+RESERVED_DTYPES = ("fp8", "mxfp8")
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+OAI_SWIGLU_LIMIT = 7.0
+K_BLOCK = 64  # the kernels' K tile: hidden and ffn must be multiples of it
+MAX_TOKENS = 1 << 20
+MAX_SHARED_EXPERTS = 4
+REQUIRED = ("hidden", "ffn", "experts", "topk", "tokens")
+DEFAULT_NAME = "custom"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_PRESETS_DIR = Path(__file__).with_name("presets")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message is one line starting with the field path."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+    ep: int = 1
+    tokens: int
+    dtype: str = "bf16"
+    shared_experts: int = 0
+    activation: str = "swiglu"
+    swiglu_limit: float | None = None
+    gate_up_layout: str = "concat"
+    bias: bool = False
+    archs: tuple[str, ...] = ("sm_90a",)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
+
+    @property
+    def groups(self) -> int:
+        return self.local_experts + self.shared_experts
+
+    @property
+    def routed_rows(self) -> int:
+        return self.tokens * self.topk
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * (self.topk + self.shared_experts)
+
+    @property
+    def flops_forward(self) -> int:
+        return 2 * self.rows * 3 * self.hidden * self.ffn
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["archs"] = list(self.archs)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Spec:
+        return _from_mapping(data, DEFAULT_NAME)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
+
+
+def load_spec(src: str | os.PathLike | Mapping[str, Any]) -> Spec:
+    """A `Spec` from a preset name (``"kimi-k2"``), a path to a .yaml/.yml file, or a mapping."""
+    if isinstance(src, Mapping):
+        return _from_mapping(src, DEFAULT_NAME)
+    if isinstance(src, os.PathLike) or (isinstance(src, str) and _looks_like_path(src)):
+        return _load_file(Path(src))
+    if isinstance(src, str):
+        path = _PRESETS_DIR / f"{src}.yaml"
+        if not path.is_file():
+            names = _preset_names()
+            close = difflib.get_close_matches(src, names, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise SpecError(
+                f"spec: unknown preset '{src}'; {hint}presets: {', '.join(names)} (or pass a path to a .yaml file)"
+            )
+        return _load_file(path)
+    raise SpecError(f"spec: expected a preset name, a .yaml path or a mapping, got {type(src).__name__}")
+
+
+def list_presets() -> list[Spec]:
+    """Every preset shipped in mokgen/presets, sorted by name."""
+    return [_load_file(_PRESETS_DIR / f"{name}.yaml") for name in _preset_names()]
+
+
+def _preset_names() -> list[str]:
+    return sorted(p.stem for p in _PRESETS_DIR.glob("*.yaml"))
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.endswith((".yaml", ".yml")) or os.sep in s or "/" in s
+
+
+def _load_file(path: Path) -> Spec:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"spec: cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise SpecError(f"spec: invalid YAML in {path}{at}: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        raise SpecError(f"spec: {path} is empty; expected a mapping of field names to values")
+    return _from_mapping(data, path.stem)
+
+
+def _from_mapping(data: Any, default_name: str) -> Spec:
+    if not isinstance(data, Mapping):
+        raise SpecError(f"spec: must be a mapping of field names to values, got {_describe(data)}")
+    for key in data:
+        if key not in FIELDS:
+            close = difflib.get_close_matches(str(key), FIELDS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(FIELDS)}"
+            raise SpecError(f"spec.{key}: unknown key; {hint}")
+    for key in REQUIRED:
+        if key not in data:
+            raise SpecError(f"spec.{key}: required key is missing")
+    fields = dict(data)
+    fields.setdefault("name", default_name)
+    if "bias" not in fields:
+        fields["bias"] = fields.get("activation") == "swiglu_oai"
+    return Spec(**fields)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, str):
+        return f"str {value!r}"
+    if isinstance(value, (list, tuple, dict)):
+        return type(value).__name__
+    return f"{type(value).__name__} {value!r}"
+
+
+def _fail(field: str, message: str) -> SpecError:
+    return SpecError(f"spec.{field}: {message}")
+
+
+def _int(spec: Spec, field: str) -> int:
+    value = getattr(spec, field)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(field, f"must be an integer, got {_describe(value)}")
+    return value
+
+
+def _choice(spec: Spec, field: str, allowed: tuple[str, ...]) -> str:
+    value = getattr(spec, field)
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close and isinstance(value, str) else ""
+        raise _fail(field, f"must be one of {', '.join(allowed)}, got {_describe(value)}{hint}")
+    return value
+
+
+def _check(spec: Spec) -> None:
+    """Validate every field of `spec` and normalize archs / swiglu_limit in place (frozen: via object.__setattr__)."""
+    if not isinstance(spec.name, str) or not _NAME_RE.fullmatch(spec.name):
+        raise _fail("name", f"must be a non-empty string of letters, digits, '.', '_', '-', got {_describe(spec.name)}")
+
+    for field in ("hidden", "ffn"):
+        value = _int(spec, field)
+        if value <= 0 or value % K_BLOCK:
+            raise _fail(field, f"must be a positive multiple of {K_BLOCK}, got {value}")
+    if _int(spec, "experts") < 1:
+        raise _fail("experts", f"must be >= 1, got {spec.experts}")
+    if _int(spec, "ep") < 1:
+        raise _fail("ep", f"must be >= 1, got {spec.ep}")
+    if spec.experts % spec.ep:
+        raise _fail("ep", f"must divide experts ({spec.experts}), got {spec.ep}")
+    topk = _int(spec, "topk")
+    if not 1 <= topk <= spec.experts:
+        raise _fail("topk", f"must be in [1, experts={spec.experts}], got {topk}")
+    tokens = _int(spec, "tokens")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise _fail("tokens", f"must be in [1, {MAX_TOKENS}], got {tokens}")
+    shared = _int(spec, "shared_experts")
+    if not 0 <= shared <= MAX_SHARED_EXPERTS:
+        raise _fail("shared_experts", f"must be in [0, {MAX_SHARED_EXPERTS}], got {shared}")
+
+    if spec.dtype in RESERVED_DTYPES:
+        raise _fail("dtype", f"{spec.dtype} is not yet supported; allowed: {', '.join(DTYPES)}")
+    _choice(spec, "dtype", DTYPES)
+    activation = _choice(spec, "activation", ACTIVATIONS)
+    _choice(spec, "gate_up_layout", GATE_UP_LAYOUTS)
+    if not isinstance(spec.bias, bool):
+        raise _fail("bias", f"must be true or false, got {_describe(spec.bias)}")
+
+    limit = spec.swiglu_limit
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise _fail("swiglu_limit", f"must be a number > 0 or null, got {_describe(limit)}")
+        if not (math.isfinite(limit) and limit > 0):
+            raise _fail("swiglu_limit", f"must be a finite number > 0, got {limit}")
+        limit = float(limit)
+    if activation == "swiglu_oai":
+        if limit is not None and limit != OAI_SWIGLU_LIMIT:
+            raise _fail("swiglu_limit", f"swiglu_oai clamps at {OAI_SWIGLU_LIMIT:g}; omit it or set 7, got {limit:g}")
+        limit = OAI_SWIGLU_LIMIT
+    object.__setattr__(spec, "swiglu_limit", limit)
+
+    archs = spec.archs
+    if isinstance(archs, str) or not isinstance(archs, (list, tuple)):
+        raise _fail("archs", f"must be a list of archs from {', '.join(KNOWN_ARCHS)}, got {_describe(archs)}")
+    if not archs:
+        raise _fail("archs", f"must name at least one arch from {', '.join(KNOWN_ARCHS)}")
+    for i, arch in enumerate(archs):
+        if arch not in KNOWN_ARCHS:
+            close = difflib.get_close_matches(str(arch), KNOWN_ARCHS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close and isinstance(arch, str) else ""
+            raise _fail(f"archs[{i}]", f"unknown arch {arch!r}; allowed: {', '.join(KNOWN_ARCHS)}{hint}")
+        if arch in archs[:i]:
+            raise _fail(f"archs[{i}]", f"duplicate arch '{arch}'")
+    object.__setattr__(spec, "archs", tuple(archs))

@@ -1,0 +1,148 @@
+import math
+
+import pytest
+
+from mokgen.plan import (
+    ARCHS, BN_CHOICES, GemmPlan, MAINLOOP_EFF, Plan, PlanError, cap_rows, candidates, explain, get_arch, solve,
+)
+from mokgen.spec import KNOWN_ARCHS, list_presets, load_spec
+
+PRESETS = [s.name for s in list_presets()]
+CASES = [(name, arch) for name in PRESETS for arch in ARCHS]
+
+
+def _smem(g: GemmPlan) -> int:
+    return g.stages * (g.bm * g.bk + g.bn * g.bk) * 2 + g.epi_m * g.epi_n * 2 * 2 + 1024
+
+
+def test_archs():
+    assert tuple(ARCHS) == KNOWN_ARCHS
+    h200 = get_arch("sm_90a")
+    assert (h200.sms, h200.smem_per_cta, h200.peak_bf16_tflops, h200.hbm_tbps) == (132, 232448 - 1024, 811.0, 4.27)
+    assert h200.has_wgmma and not h200.has_tcgen05
+    b200 = get_arch("sm_100a")
+    assert (b200.sms, b200.peak_bf16_tflops, b200.hbm_tbps) == (148, 2250.0, 8.0) and b200.has_tcgen05
+    with pytest.raises(PlanError, match=r"^plan\.arch: unknown arch 'sm_80'; known archs: sm_90a, sm_100a$"):
+        get_arch("sm_80")
+
+
+@pytest.mark.parametrize("name,arch", CASES)
+def test_constraints(name, arch):
+    spec, a = load_spec(name), get_arch(arch)
+    plan = solve(spec, arch)
+    g1, g2 = plan.gemm1, plan.gemm2
+    assert plan.arch == arch and plan.spec == spec
+    assert plan.bm == g1.bm == g2.bm == 128
+    for g in (g1, g2):
+        assert g.bk == 64 and g.bn in BN_CHOICES and g.consumer_wgs == 2
+        assert 3 <= g.stages <= 7
+        assert _smem(g) <= a.smem_per_cta
+        assert g.stages == 7 or _smem(GemmPlan(**{**g.to_dict(), "stages": g.stages + 1})) > a.smem_per_cta
+        assert 1 <= g.raster_group <= 8
+    assert (g1.a_load, g2.a_load) == ("gather", "tma")
+    assert spec.ffn % (g1.bn // 2) == 0
+    assert g1.n_tiles * g1.bn == 2 * spec.ffn and g1.k_tiles * 64 == spec.hidden
+    assert g2.n_tiles == math.ceil(spec.hidden / g2.bn) and g2.k_tiles * 64 == spec.ffn
+    worst = spec.tokens * (spec.topk + spec.shared_experts) + spec.groups * (plan.bm - 1)
+    assert plan.cap_rows >= worst and plan.cap_rows % plan.bm == 0 and plan.cap_rows - worst < plan.bm
+    assert plan.max_m_tiles * plan.bm == plan.cap_rows
+    assert plan.chunk_rows % plan.bm == 0
+    for g in (g1, g2):
+        assert plan.chunk_rows // plan.bm * g.n_tiles >= 2 * a.sms  # MoK: >= 2 waves per chunk
+    smaller = plan.chunk_rows // plan.bm - 1
+    assert smaller * min(g1.n_tiles, g2.n_tiles) < 2 * a.sms  # and the smallest such chunk
+    assert plan.waves1 > 0 and plan.waves2 > 0
+    assert 0 < plan.predicted_ms and 0 < plan.predicted_tflops <= a.peak_bf16_tflops
+    assert plan.predicted_tflops == pytest.approx(spec.flops_forward / plan.predicted_ms / 1e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("name,arch", CASES)
+def test_deterministic_and_round_trip(name, arch):
+    spec = load_spec(name)
+    plan = solve(spec, arch)
+    assert solve(load_spec(name), arch).canonical_json() == plan.canonical_json()
+    again = Plan.from_dict(plan.to_dict())
+    assert again == plan and again.canonical_json() == plan.canonical_json()
+    assert candidates(spec, arch)[0].canonical_json() == plan.canonical_json()
+
+
+def test_gpt_oss_tiles_divide_2880():
+    plan = solve(load_spec("gpt-oss-120b"))
+    assert (plan.gemm1.bn, plan.gemm2.bn) == (192, 192)
+    assert 2880 % (plan.gemm1.bn // 2) == 0 and 2880 % plan.gemm2.bn == 0
+    assert plan.gemm1.stages == plan.gemm2.stages == 5
+    for p in candidates(load_spec("gpt-oss-120b")):
+        assert 2880 % (p.gemm1.bn // 2) == 0  # bn 256 (128 outputs) never offered
+
+
+def test_kimi_plan():
+    plan = solve(load_spec("kimi-k2"))
+    assert (plan.gemm1.bn, plan.gemm2.bn, plan.gemm1.stages, plan.gemm2.stages) == (256, 256, 4, 4)
+    assert plan.chunk_rows == 128 * math.ceil(2 * 132 / 16)
+
+
+def test_cap_rows_formula():
+    spec = load_spec("kimi-k2")
+    assert cap_rows(spec, 128, 2048) == math.ceil((2048 * 8 + 2048 + 7 * 127) / 128) * 128
+    assert cap_rows(spec, 128, 1) == math.ceil((8 + 1 + 7 * 127) / 128) * 128
+
+
+def test_candidates_ranked():
+    spec = load_spec("deepseek-v3")
+    ranked = candidates(spec)
+    assert [p.predicted_ms for p in ranked] == sorted(p.predicted_ms for p in ranked)
+    assert len({(p.gemm1.bn, p.gemm2.bn) for p in ranked}) == len(ranked)
+    assert max(MAINLOOP_EFF) == 256
+
+
+def test_overrides():
+    spec = load_spec("kimi-k2")
+    plan = solve(spec, gemm1_bn=128, gemm2_bn=192, gemm1_stages=3, raster_group=4)
+    assert (plan.gemm1.bn, plan.gemm2.bn, plan.gemm1.stages, plan.gemm2.stages) == (128, 192, 3, 5)
+    assert plan.gemm1.raster_group == plan.gemm2.raster_group == 4
+    assert plan.gemm1.n_tiles == 32 and plan.gemm2.n_tiles == 38
+    assert any("overrides: gemm1_bn=128" in n for n in plan.notes)
+    assert any("partial N tile" in n for n in plan.notes)
+    assert plan.predicted_ms > solve(spec).predicted_ms
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert "chosen by overrides" in explain(plan)
+
+
+@pytest.mark.parametrize("overrides,path,fragment", [
+    ({"gemm1_bn": 256}, "plan.gemm1_bn", "ffn 2880 % 128 = 64"),
+    ({"gemm1_bn": 96}, "plan.gemm1_bn", "one of 64, 128, 192, 256"),
+    ({"gemm2_bn": 128.0}, "plan.gemm2_bn", "one of 64, 128, 192, 256"),
+    ({"gemm2_bn": True}, "plan.gemm2_bn", "one of 64, 128, 192, 256"),
+    ({"gemm1_stages": 6}, "plan.gemm1_stages", "[3, 5] for bn 192"),
+    ({"gemm2_stages": 2}, "plan.gemm2_stages", "[3, 5]"),
+    ({"gemm2_stages": "4"}, "plan.gemm2_stages", "must be an integer"),
+    ({"raster_group": 0}, "plan.raster_group", "[1, 64]"),
+    ({"bn": 128}, "plan.bn", "unknown override"),
+])
+def test_bad_overrides(overrides, path, fragment):
+    with pytest.raises(PlanError) as info:
+        solve(load_spec("gpt-oss-120b"), **overrides)
+    message = str(info.value)
+    assert message.startswith(path + ":") and fragment in message and "\n" not in message
+
+
+def test_bad_plan_dict():
+    d = solve(load_spec("glm-5")).to_dict()
+    del d["chunk_rows"]
+    with pytest.raises(PlanError, match=r"^plan: expected the keys"):
+        Plan.from_dict(d)
+
+
+@pytest.mark.parametrize("name,arch", [("kimi-k2", "sm_90a"), ("gpt-oss-120b", "sm_90a"), ("qwen3-30b-a3b", "sm_100a")])
+def test_explain(name, arch):
+    plan = solve(load_spec(name), arch)
+    text = explain(plan)
+    for word in ("waves", "smem", "chunk", "stages", "cap_rows", "raster", "registers", "top candidates"):
+        assert word in text
+    assert f"chunk_rows = 128 * ceil(" in text and str(plan.chunk_rows) in text
+    assert f"bn1={plan.gemm1.bn}/bn2={plan.gemm2.bn}" in text
+
+
+def test_explain_gpt_oss_tie_break():
+    text = explain(solve(load_spec("gpt-oss-120b")))
+    assert "memory bound" in text and "wins on compute time" in text
