@@ -1,0 +1,642 @@
+"""Build stage: emitted CuTe DSL sources -> compiled objects -> ``libmokgen.so``.
+
+``build(sources, arch, out_dir)`` writes the kernel sources into ``out_dir/sources/``, generates a
+``build.ninja`` with one compile edge per kernel file and one link edge, and runs ninja (parallel,
+incremental: a second build of the same sources does nothing).
+
+Each compile edge runs ``python -m mokgen.build compile-one SRC OUT.o --arch ARCH --name NAME`` in a fresh
+process (the CuTe DSL keeps global state; one process per kernel keeps builds independent and parallel):
+it imports the kernel file, calls its ``compile(arch)``, exports the result with
+``export_to_c(OUT.o, function_name=NAME)`` and writes ``NAME.ptx`` next to the object.
+
+The DSL writes PTX only when asked through its environment (``CUTE_DSL_KEEP=ptx``,
+``CUTE_DSL_DUMP_DIR``); the kernel file's own ``--keep-ptx`` option is not needed, and the env route also
+turns the DSL's own JIT file cache off, so nothing outside the build directory is consulted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+__all__ = [
+    "Artifacts",
+    "BuildError",
+    "ArchError",
+    "build",
+    "resolve_arch",
+    "check_arch",
+    "ptx_report",
+    "kernel_files",
+    "LIB_NAME",
+    "SUPPORTED_ARCHS",
+]
+
+LIB_NAME = "libmokgen.so"
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+# PTX features the report looks for, per arch.
+PTX_FEATURES = {
+    "wgmma.mma_async": ("sm_90a", "sm_100a"),
+    "cp.async.bulk.tensor": ("sm_90a", "sm_100a"),
+    "mbarrier": ("sm_90a", "sm_100a"),
+    "tcgen05": ("sm_100a",),
+}
+_TAIL_LINES = 40
+_KERNEL_NAME_RE = re.compile(r"""^KERNEL_NAME\s*(?::\s*str\s*)?=\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""", re.M)
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class BuildError(RuntimeError):
+    """A kernel failed to compile or the library failed to link.
+
+    ``kernels``: the names of the failing kernels (``"link"`` for the link step); ``tail``: the last lines of
+    the compiler output; ``log``: the full build log.
+    """
+
+    def __init__(self, message: str, kernels: Iterable[str] = (), tail: str = "", log: Path | None = None):
+        super().__init__(message)
+        self.kernels = tuple(kernels)
+        self.tail = tail
+        self.log = log
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifacts:
+    """What a build produced. ``dir`` holds ``libmokgen.so`` (``lib``), ``<kernel>.o``, ``<kernel>.ptx`` and
+    ``sources/``; ``kernels`` are the exported function names; ``key`` the cache key of the inputs;
+    ``meta`` what ``meta.json`` records (arch, key, DSL versions, template hash, spec, plan, ...)."""
+
+    dir: Path
+    lib: Path
+    kernels: tuple[str, ...]
+    arch: str
+    key: str
+    meta: Mapping[str, Any]
+
+    def ptx(self, kernel: str) -> Path:
+        return self.dir / f"{kernel}.ptx"
+
+    def obj(self, kernel: str) -> Path:
+        return self.dir / f"{kernel}.o"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dir": str(self.dir),
+            "lib": str(self.lib),
+            "kernels": list(self.kernels),
+            "arch": self.arch,
+            "key": self.key,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Artifacts":
+        return cls(
+            dir=Path(d["dir"]),
+            lib=Path(d["lib"]),
+            kernels=tuple(d["kernels"]),
+            arch=str(d["arch"]),
+            key=str(d["key"]),
+            meta=dict(d.get("meta", {})),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+class ArchError(BuildError):
+    """No usable target arch (unknown name, unsupported GPU, or nothing to go by)."""
+
+
+_CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+def check_arch(arch: str) -> str:
+    if arch not in SUPPORTED_ARCHS:
+        hint = ""
+        if arch and arch + "a" in SUPPORTED_ARCHS:
+            hint = f" (the kernels need the arch-specific features: use {arch}a)"
+        raise ArchError(f"unknown arch {arch!r}: expected one of {', '.join(SUPPORTED_ARCHS)}{hint}")
+    return arch
+
+
+def resolve_arch(arch: str | None = None) -> str:
+    """The target arch: ``arch`` if given, else ``$MOKGEN_ARCH``, else the visible GPU (compute capability
+    9.0 -> sm_90a, 10.0 -> sm_100a), else :class:`ArchError` saying how to choose."""
+    if arch:
+        return check_arch(arch)
+    env = os.environ.get("MOKGEN_ARCH", "").strip()
+    if env:
+        try:
+            return check_arch(env)
+        except ArchError as e:
+            raise ArchError(f"$MOKGEN_ARCH: {e}") from None
+    cap = None
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+            import torch
+        if torch.cuda.is_available():
+            cap = tuple(torch.cuda.get_device_capability())
+    except Exception:
+        cap = None
+    if cap is not None:
+        if cap in _CAPABILITY_ARCH:
+            return _CAPABILITY_ARCH[cap]
+        raise ArchError(f"the visible GPU is sm_{cap[0]}{cap[1]}, which mokgen does not target "
+                        f"({', '.join(SUPPORTED_ARCHS)}); pass --arch to cross-compile")
+    raise ArchError("no target arch: pass --arch sm_90a (or sm_100a), set MOKGEN_ARCH, "
+                    "or run where a Hopper/Blackwell GPU is visible")
+
+
+def _files_of(sources: Any) -> Mapping[str, str]:
+    files = sources.files if hasattr(sources, "files") else sources
+    if not isinstance(files, Mapping):
+        raise BuildError("sources must be a mokgen.emit.Sources or a mapping of file name -> text")
+    return files
+
+
+def kernel_files(sources: Any) -> dict[str, str]:
+    """``{kernel name: file name}`` for the files of ``sources`` that define ``KERNEL_NAME`` (the kernel
+    modules); other files (helpers, headers) are written next to them but not compiled on their own."""
+    out: dict[str, str] = {}
+    for fname, text in sorted(_files_of(sources).items()):
+        if not fname.endswith(".py"):
+            continue
+        m = _KERNEL_NAME_RE.search(text)
+        if not m:
+            continue
+        name = m.group(1)
+        if name in out:
+            raise BuildError(f"kernel name {name!r} is defined by both {out[name]} and {fname}")
+        out[name] = fname
+    return out
+
+
+def _safe_relpath(fname: str) -> Path:
+    p = Path(fname)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise BuildError(f"source file name {fname!r} must be a relative path inside the build directory")
+    return p
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` unless it already holds exactly that (keeps mtimes, so ninja stays a
+    no-op); atomic via a pid-suffixed temp file."""
+    data = text.encode()
+    try:
+        if path.read_bytes() == data:
+            return False
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return True
+
+
+def _ninja_path(p: str | Path) -> str:
+    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:").replace("\n", "")
+
+
+def _ninja_cmd(s: str) -> str:
+    return s.replace("$", "$$").replace("\n", " ")
+
+
+def ninja_binary() -> str:
+    try:
+        import ninja  # type: ignore
+
+        cand = Path(ninja.BIN_DIR) / "ninja"
+        if cand.exists():
+            return str(cand)
+    except Exception:
+        pass
+    found = shutil.which("ninja")
+    if found:
+        return found
+    raise BuildError("ninja not found: pip install ninja")
+
+
+def runtime_libraries() -> list[str]:
+    """The shared libraries an exported kernel object links against (CuTe DSL runtime + tvm-ffi)."""
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+            import cutlass.cute as cute  # type: ignore
+    except Exception as e:  # pragma: no cover - depends on the install
+        raise BuildError(
+            f"the CuTe DSL is not importable ({type(e).__name__}: {e}); "
+            'install the compiler: pip install -e ".[compiler]"'
+        ) from None
+    return [str(p) for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)]
+
+
+def _pythonpath_for_children() -> str:
+    """PYTHONPATH for compile-one processes: this mokgen's parent directory first, then what we have."""
+    here = str(Path(__file__).resolve().parent.parent)
+    parts = [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != here]
+    return os.pathsep.join(parts)
+
+
+def _dsl_fingerprint() -> str:
+    try:
+        from . import cache
+
+        return hashlib.sha256(json.dumps(cache.dsl_versions(), sort_keys=True).encode()).hexdigest()[:12]
+    except Exception:
+        return "unknown"
+
+
+def _meta_of(sources: Any, arch: str, key: str, kernels: Mapping[str, str]) -> dict[str, Any]:
+    from . import cache
+
+    meta: dict[str, Any] = {
+        "format": cache.META_FORMAT,
+        "arch": arch,
+        "key": key,
+        "content_key": cache.content_key_for(sources, arch),
+        "dsl_versions": cache.dsl_versions(),
+        "template_hash": getattr(sources, "template_hash", None),
+        "kernels": sorted(kernels),
+        "lib": LIB_NAME,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": sys.version.split()[0],
+    }
+    _th, spec, plan, _files = cache._parts(sources)
+    if spec is not None and not isinstance(spec, str):
+        meta["spec"] = cache.to_plain(spec)
+    if plan is not None:
+        meta["plan"] = cache.to_plain(plan)
+    if isinstance(spec, Mapping):
+        name = spec.get("name")
+    else:
+        name = getattr(spec, "name", spec if isinstance(spec, str) else None)
+    if name:
+        meta["spec_name"] = str(name)
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------------------
+# build.ninja
+
+
+def write_ninja(out_dir: Path, kernels: Mapping[str, str], helpers: Iterable[str], arch: str,
+                link_libs: list[str]) -> Path:
+    py = sys.executable
+    env = (
+        f"CUTE_DSL_ARCH={shlex.quote(arch)} PYTHONPATH={shlex.quote(_pythonpath_for_children())} "
+        f"PYTHONWARNINGS=ignore::RuntimeWarning:runpy MOKGEN_DSL_FINGERPRINT={_dsl_fingerprint()}"
+    )
+    lines = [
+        "# generated by mokgen.build; do not edit",
+        "ninja_required_version = 1.10",
+        f"arch = {arch}",
+        "",
+        "rule compile",
+        f"  command = {_ninja_cmd(env)} {_ninja_cmd(shlex.quote(py))} -m mokgen.build compile-one $in $out_o"
+        f" --arch $arch --name $name",
+        "  description = compile $name ($arch)",
+        "",
+        "rule link",
+        f"  command = gcc -shared -o $out $in {_ninja_cmd(' '.join(shlex.quote(l) for l in link_libs))}",
+        "  description = link $out",
+        "",
+    ]
+    helper_deps = " ".join(_ninja_path(Path("sources") / h) for h in sorted(helpers))
+    objs = []
+    for name, fname in sorted(kernels.items()):
+        obj = f"{name}.o"
+        objs.append(obj)
+        src = _ninja_path(Path("sources") / fname)
+        implicit = f" | {helper_deps}" if helper_deps else ""
+        lines += [
+            f"build {_ninja_path(obj)} {_ninja_path(name + '.ptx')}: compile {src}{implicit}",
+            f"  name = {name}",
+            f"  out_o = {_ninja_path(obj)}",
+            "",
+        ]
+    lines += [f"build {LIB_NAME}: link {' '.join(_ninja_path(o) for o in objs)}", "", f"default {LIB_NAME}", ""]
+    path = out_dir / "build.ninja"
+    _write_if_changed(path, "\n".join(lines))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running ninja, with progress
+
+_STATUS_RE = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
+
+
+class _Progress:
+    """Shows ninja's progress: a rich bar on a terminal, ``[n/N]`` lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, title: str):
+        self.enabled = enabled
+        self.bar = None
+        self.t0 = time.monotonic()
+        if not enabled:
+            return
+        if sys.stderr.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+                from rich.progress import TimeElapsedColumn
+
+                self.bar = Progress(
+                    SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+                )
+                self.bar.start()
+                self.task = self.bar.add_task(title, total=total)
+                return
+            except Exception:
+                self.bar = None
+        print(f"mokgen: {title}", file=sys.stderr, flush=True)
+
+    def line(self, line: str) -> None:
+        if not self.enabled:
+            return
+        m = _STATUS_RE.match(line)
+        if self.bar is not None:
+            if m:
+                self.bar.update(self.task, completed=int(m.group(1)), total=int(m.group(2)))
+                self.bar.console.print(f"  [{m.group(1)}/{m.group(2)}] {m.group(3)}", highlight=False)
+            elif line.strip() and not line.startswith("ninja: "):
+                self.bar.console.print("    " + line, markup=False, highlight=False)
+        elif m:
+            print(f"  {line}", file=sys.stderr, flush=True)
+        elif line.strip() and not line.startswith("ninja: "):
+            print(f"    {line}", file=sys.stderr, flush=True)
+
+    def close(self, ok: bool) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if self.enabled:
+            state = "done" if ok else "FAILED"
+            print(f"mokgen: build {state} in {time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def _parse_failures(lines: list[str], obj_to_kernel: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    """``[(kernel, output lines)]`` for each ``FAILED:`` block in ninja's output."""
+    out: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("FAILED:"):
+            outs = [t for t in line[len("FAILED:"):].split() if not t.startswith("[code=")]
+            kernel = "link"
+            for t in outs:
+                t = t.replace("$ ", " ")
+                if t in obj_to_kernel:
+                    kernel = obj_to_kernel[t]
+                    break
+            body: list[str] = []
+            i += 1
+            if i < len(lines):  # the command line itself
+                i += 1
+            while i < len(lines) and not (
+                _STATUS_RE.match(lines[i]) or lines[i].startswith("FAILED:") or lines[i].startswith("ninja: ")
+            ):
+                body.append(lines[i])
+                i += 1
+            out.append((kernel, body))
+            continue
+        i += 1
+    return out
+
+
+def run_ninja(out_dir: Path, jobs: int | None, progress: bool, kernels: Mapping[str, str], arch: str) -> list[str]:
+    cmd = [ninja_binary(), "-C", str(out_dir), "-k", "0"]
+    if jobs:
+        cmd += ["-j", str(int(jobs))]
+    env = dict(os.environ)
+    env["NINJA_STATUS"] = "[%f/%t] "
+    # Do ninja's dry run first: it tells whether there is anything to do, so a no-op build stays silent.
+    dry = subprocess.run(cmd + ["-n"], capture_output=True, text=True, env=env)
+    work = [l for l in dry.stdout.splitlines() if _STATUS_RE.match(l)]
+    if dry.returncode == 0 and not work:
+        return []
+    title = f"building {len(kernels)} kernel(s) for {arch} in {out_dir}" + (f" (-j {jobs})" if jobs else "")
+    prog = _Progress(progress, max(len(work), 1), title)
+    lines: list[str] = []
+    ok = False
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                bufsize=1)
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            lines.append(line)
+            prog.line(line)
+        rc = proc.wait()
+        ok = rc == 0
+    finally:
+        prog.close(ok)
+    log = out_dir / "build.log"
+    log.write_text("\n".join(lines) + "\n")
+    if not ok:
+        obj_to_kernel = {f"{k}.o": k for k in kernels} | {f"{k}.ptx": k for k in kernels}
+        fails = _parse_failures(lines, obj_to_kernel)
+        if not fails:
+            tail = "\n".join(lines[-_TAIL_LINES:])
+            raise BuildError(f"build failed for {arch} in {out_dir} (log: {log}):\n{tail}", (), tail, log)
+        names = [k for k, _ in fails]
+        parts = []
+        for k, body in fails:
+            body = [b for b in body if b.strip()]
+            tail = "\n".join(body[-_TAIL_LINES:])
+            what = "library link" if k == "link" else f"kernel {k!r}"
+            parts.append(f"{what} failed for {arch}:\n{tail}")
+        kn = [n for n in names if n != "link"]
+        if kn:
+            what = f"kernel {kn[0]!r}" if len(kn) == 1 else "kernels " + ", ".join(repr(n) for n in kn)
+            first = f"{what} failed to compile for {arch} ({len(kn)} of {len(kernels)}; log: {log})"
+        else:
+            first = f"linking {LIB_NAME} failed for {arch} (log: {log})"
+        msg = first + "\n" + "\n".join(parts)
+        raise BuildError(msg, names, "\n".join(parts), log)
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def build(sources: Any, arch: str, out_dir: str | os.PathLike, jobs: int | None = None,
+          progress: bool = True) -> Artifacts:
+    """Compile ``sources`` (a ``mokgen.emit.Sources``, or a mapping file name -> text) for ``arch`` into
+    ``out_dir``; returns the :class:`Artifacts`. Raises :class:`BuildError` naming the failing kernel."""
+    from . import cache
+
+    check_arch(arch)
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    files = _files_of(sources)
+    kernels = kernel_files(sources)
+    if not kernels:
+        raise BuildError("no kernel files in sources (a kernel file is a .py defining KERNEL_NAME)")
+    src_dir = out / "sources"
+    src_dir.mkdir(exist_ok=True)
+    wanted = set()
+    for fname, text in files.items():
+        rel = _safe_relpath(fname)
+        wanted.add(rel)
+        _write_if_changed(src_dir / rel, text)
+    for p in sorted(src_dir.rglob("*")):  # files left over from an earlier build of other sources
+        if p.is_file() and p.relative_to(src_dir) not in wanted and "__pycache__" not in p.parts:
+            p.unlink()
+    helpers = [f for f in files if f not in set(kernels.values())]
+    write_ninja(out, kernels, helpers, arch, runtime_libraries())
+    run_ninja(out, jobs, progress, kernels, arch)
+    lib = out / LIB_NAME
+    if not lib.exists():
+        raise BuildError(f"ninja succeeded but {lib} is missing")
+    key = cache.key_for(sources, arch)
+    meta = _meta_of(sources, arch, key, kernels)
+    return Artifacts(dir=out, lib=lib, kernels=tuple(sorted(kernels)), arch=arch, key=key, meta=meta)
+
+
+def ptx_report(artifacts: Artifacts | str | os.PathLike) -> dict[str, dict[str, bool]]:
+    """``{kernel: {feature: present}}`` for the PTX of each kernel: ``wgmma.mma_async``,
+    ``cp.async.bulk.tensor``, ``mbarrier`` (and ``tcgen05`` for sm_100a), plus ``target`` (the PTX names the
+    arch). Accepts :class:`Artifacts` or a directory (build dir or cache entry)."""
+    if isinstance(artifacts, Artifacts):
+        d, arch, kernels = artifacts.dir, artifacts.arch, list(artifacts.kernels)
+    else:
+        d = Path(artifacts)
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            arch, kernels = meta["arch"], list(meta["kernels"])
+        except Exception:
+            arch = ""
+            kernels = sorted(p.stem for p in d.glob("*.ptx"))
+    report: dict[str, dict[str, bool]] = {}
+    for k in kernels:
+        try:
+            text = (Path(d) / f"{k}.ptx").read_text(errors="replace")
+        except OSError:
+            text = ""
+        row = {feat: (feat in text) for feat, archs in PTX_FEATURES.items() if not arch or arch in archs}
+        row["target"] = bool(arch) and re.search(rf"^\.target\s+{re.escape(arch)}\b", text, re.M) is not None
+        report[k] = row
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compile-one (runs in its own process, one per kernel, from build.ninja)
+
+
+def _find_ptx(dump_dir: Path, compiled: Any) -> str | None:
+    found = sorted(glob.glob(str(dump_dir / "**" / "*.ptx"), recursive=True))
+    if not found:
+        cand = getattr(compiled, "__ptx__", None)
+        if isinstance(cand, str):
+            if cand.lstrip().startswith(("//", ".version")):
+                return cand
+            if os.path.exists(cand):
+                found = [cand]
+    if not found:
+        return None
+    if len(found) == 1:
+        return Path(found[0]).read_text(errors="replace")
+    return "".join(f"// ---- {os.path.basename(f)}\n" + Path(f).read_text(errors="replace") for f in found)
+
+
+def compile_one(src: str, out_o: str, arch: str, name: str) -> None:
+    check_arch(arch)
+    if not _IDENT_RE.match(name):
+        raise BuildError(f"kernel name {name!r} is not a C identifier")
+    out = Path(out_o).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dump = Path(tempfile.mkdtemp(prefix=f".{name}.dump.", dir=out.parent))
+    # Must be set before cutlass is imported: the DSL reads its environment once.
+    os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
+    t0 = time.monotonic()
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    try:
+        srcp = Path(src).resolve()
+        sys.path.insert(0, str(srcp.parent))  # helper modules emitted next to the kernel files
+        modname = f"mokgen_kernel_{name}"
+        spec = importlib.util.spec_from_file_location(modname, srcp)
+        if spec is None or spec.loader is None:
+            raise BuildError(f"cannot import {srcp}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        spec.loader.exec_module(mod)
+        declared = getattr(mod, "KERNEL_NAME", name)
+        if declared != name:
+            raise BuildError(f"{srcp.name} declares KERNEL_NAME={declared!r}, the build expected {name!r}")
+        if not callable(getattr(mod, "compile", None)):
+            raise BuildError(f"{srcp.name} defines no compile(arch) function")
+        compiled = mod.compile(arch)
+        if compiled is None or not hasattr(compiled, "export_to_c"):
+            raise BuildError(f"{srcp.name}: compile({arch!r}) must return a cute.compile(...) result, "
+                             f"got {type(compiled).__name__}")
+        tmp_o = out.with_name(f"{out.stem}.tmp.{os.getpid()}.o")
+        compiled.export_to_c(str(tmp_o), function_name=name)
+        ptx = _find_ptx(dump, compiled)
+        if ptx is None:
+            print(f"mokgen: warning: no PTX was produced for {name}", file=sys.stderr)
+            ptx = f"// mokgen: the CuTe DSL produced no PTX for {name} ({arch})\n"
+        # always rewritten (not _write_if_changed): ninja compares output mtimes with the inputs'
+        ptx_path = out.with_name(f"{name}.ptx")
+        tmp_ptx = ptx_path.with_name(f"{name}.tmp.{os.getpid()}.ptx")
+        tmp_ptx.write_text(ptx)
+        os.replace(tmp_ptx, ptx_path)
+        os.replace(tmp_o, out)
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    print(f"{name}: compiled for {arch} in {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mokgen.build")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c1 = sub.add_parser("compile-one", help="compile one kernel file and export it (used by build.ninja)")
+    c1.add_argument("src")
+    c1.add_argument("out_o")
+    c1.add_argument("--arch", required=True)
+    c1.add_argument("--name", required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "compile-one":
+        try:
+            compile_one(args.src, args.out_o, args.arch, args.name)
+        except BuildError as e:
+            print(f"mokgen: error: {e}", file=sys.stderr)
+            return 1
+        except BaseException:
+            traceback.print_exc()
+            print(f"mokgen: error: kernel {args.name!r} ({args.src}) failed to compile for {args.arch}",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
