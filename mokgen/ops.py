@@ -1,0 +1,740 @@
+"""Runtime: load a built artifact, size the workspace, launch the kernels, expose them to torch.
+
+Pieces (docs/contract.md, "Device workspace and kernels" and "runtime"):
+
+* :func:`cap_rows` / :class:`Workspace`: the device workspace of one call size T.
+* :func:`load_library`: ``libcute_dsl_runtime.so`` (RTLD_GLOBAL) then ``libmokgen.so`` through tvm-ffi.
+* :class:`CompiledMoE`: validated calls ``routing -> gemm1 -> gemm2 -> combine`` on the current torch stream, no
+  host sync on the hot path; routing errors are reported by ``check=True`` or :meth:`CompiledMoE.check_errors`.
+* ``torch.ops.mokgen.moe_forward`` (a ``torch.library`` custom op with a fake impl) and its autograd formula.
+  **Backward kernels are not yet generated; backward runs in torch** (``mokgen.reference.backward`` in float32
+  on the bf16 inputs, through the opaque op ``torch.ops.mokgen.moe_backward``): correct, deterministic, slow,
+  and it syncs the host (per-expert counts).
+* :class:`MoE`: an ``nn.Module`` owning the expert weights.
+* :func:`compile`: spec -> plan -> sources -> cache / build -> :class:`CompiledMoE`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import reference
+from .reference import LayerConfig, layer_config
+
+__all__ = [
+    "KERNELS",
+    "MoEInputError",
+    "RoutingError",
+    "ArchMismatchError",
+    "LoadError",
+    "cap_rows",
+    "Workspace",
+    "find_runtime_library",
+    "load_library",
+    "CompiledMoE",
+    "moe_forward",
+    "MoE",
+    "compile",
+    "kernels_of",
+    "uses_gather_kernel",
+]
+
+KERNELS = ("routing", "gemm1", "gemm2", "combine")
+GATHER_KERNEL = "gather"   # only for plans whose GEMM 1 loads A by TMA (plan.gemm1.a_load == "tma")
+RUNTIME_LIB_NAME = "libcute_dsl_runtime.so"
+MODULE_LIB_NAME = "libmokgen.so"
+
+
+class MoEInputError(ValueError):
+    """An input of a mokgen call has the wrong shape, dtype, layout or device (raised before any launch)."""
+
+
+class RoutingError(RuntimeError):
+    """``topk_idx`` held expert ids outside ``[0, local_experts)``; the kernels dropped those slots."""
+
+
+class ArchMismatchError(RuntimeError):
+    """The artifact was built for another GPU architecture than the device's."""
+
+
+class LoadError(RuntimeError):
+    """An artifact or the CuTe DSL runtime library could not be found or loaded."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# workspace
+
+
+def cap_rows(tokens: int, topk: int, shared: int, groups: int, bm: int) -> int:
+    """Worst-case padded rows: ``T*K + S*T + G*(BM-1)`` rounded up to BM (nothing is ever dropped)."""
+    raw = tokens * topk + shared * tokens + groups * (bm - 1)
+    return (raw + bm - 1) // bm * bm
+
+
+def uses_gather_kernel(plan: Any) -> bool:
+    """True when the plan's GEMM 1 reads pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel,
+    instead of gathering rows of x itself (a_load "gather", the default)."""
+    return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma"
+
+
+def kernels_of(plan: Any) -> tuple[str, ...]:
+    """The kernel names a plan's library exports (in launch order)."""
+    return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
+
+
+def _bm_of(plan: Any) -> int:
+    bm = plan if isinstance(plan, int) else getattr(plan, "bm", None)
+    if not isinstance(bm, int) or bm <= 0:
+        raise TypeError(f"plan must have a positive int .bm (the M tile of the permuted row space), got {bm!r}")
+    return bm
+
+
+@dataclass(eq=False)
+class Workspace:
+    """Device buffers of one call size T (docs/contract.md, "Device workspace").
+
+    Initial contents (set once, at allocation): row_src 0, row_w 0, tile_group -1, meta 0, slot_pos -1; h and ys
+    uninitialized (every row the GEMMs read is written first). ``meta[1]`` is the sticky routing-error flag:
+    kernels only set it, :meth:`CompiledMoE.check_errors` (or ``check=True``) clears it.
+    """
+
+    tokens: int
+    bm: int
+    cap_rows: int
+    max_m_tiles: int
+    row_src: torch.Tensor     # [cap_rows] int32
+    row_w: torch.Tensor       # [cap_rows] fp32
+    tile_group: torch.Tensor  # [max_m_tiles] int32
+    meta: torch.Tensor        # [4] int32
+    slot_pos: torch.Tensor    # [T, K+S] int32
+    h: torch.Tensor           # [cap_rows, I] bf16
+    ys: torch.Tensor          # [cap_rows, H] bf16
+    dummy_bias: torch.Tensor  # [1, 1] fp32, passed as b1 / b2 when the spec has no bias
+    xg: torch.Tensor | None = None  # [cap_rows, H] bf16 gathered rows of x (only with a gather kernel)
+
+    @staticmethod
+    def layout(spec_or_cfg: Any, plan: Any, tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{name: (shape, dtype)} of every buffer for ``tokens`` rows (bm from the plan; ``plan`` may be a bare
+        int bm). ``xg`` only when the plan uses a gather kernel."""
+        c = layer_config(spec_or_cfg)
+        bm = _bm_of(plan)
+        cap = cap_rows(tokens, c.topk, c.shared_experts, c.groups, bm)
+        extra = {"xg": ((cap, c.hidden), torch.bfloat16)} if uses_gather_kernel(plan) else {}
+        return {**extra, 
+            "row_src": ((cap,), torch.int32),
+            "row_w": ((cap,), torch.float32),
+            "tile_group": ((cap // bm,), torch.int32),
+            "meta": ((4,), torch.int32),
+            "slot_pos": ((tokens, c.topk + c.shared_experts), torch.int32),
+            "h": ((cap, c.ffn), torch.bfloat16),
+            "ys": ((cap, c.hidden), torch.bfloat16),
+            "dummy_bias": ((1, 1), torch.float32),
+        }
+
+    @classmethod
+    def allocate(cls, spec_or_cfg: Any, plan: Any, tokens: int, device: torch.device | str) -> "Workspace":
+        lay = cls.layout(spec_or_cfg, plan, tokens)
+        fill = {"row_src": 0, "row_w": 0, "tile_group": -1, "meta": 0, "slot_pos": -1, "dummy_bias": 0}
+        bufs = {}
+        for name, (shape, dtype) in lay.items():
+            if name in fill:
+                bufs[name] = torch.full(shape, fill[name], dtype=dtype, device=device)
+            else:
+                bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+        bm = _bm_of(plan)
+        cap = lay["row_src"][0][0]
+        return cls(tokens=tokens, bm=bm, cap_rows=cap, max_m_tiles=cap // bm, **bufs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.row_src, self.row_w, self.tile_group, self.meta,
+                                                          self.slot_pos, self.h, self.ys, self.dummy_bias, self.xg)
+                   if t is not None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# loading artifacts
+
+_LOAD_LOCK = threading.Lock()
+_RUNTIME_HANDLES: dict[str, ctypes.CDLL] = {}
+_MODULES: dict[str, Any] = {}
+
+
+def find_runtime_library(entry_dir: str | os.PathLike | None = None) -> str:
+    """Path of ``libcute_dsl_runtime.so``, searched in this order:
+
+    1. ``$MOKGEN_RUNTIME_LIB`` (an explicit override);
+    2. the CuTe DSL install (``cutlass.cute.runtime.find_runtime_libraries``; importing the DSL takes seconds);
+    3. the copy a packed cache ships: ``<entry_dir>/../../runtime/libcute_dsl_runtime.so``.
+    """
+    env = os.environ.get("MOKGEN_RUNTIME_LIB")
+    if env:
+        if not Path(env).is_file():
+            raise LoadError(f"MOKGEN_RUNTIME_LIB={env} is not a file")
+        return env
+    dsl_note = "the CuTe DSL is not installed"
+    if importlib.util.find_spec("cutlass") is not None:
+        try:
+            from cutlass.cute.runtime import find_runtime_libraries
+
+            for p in find_runtime_libraries(enable_tvm_ffi=True):
+                if os.path.basename(p) == RUNTIME_LIB_NAME and os.path.isfile(p):
+                    return p
+            dsl_note = "the CuTe DSL install has no " + RUNTIME_LIB_NAME
+        except Exception as exc:  # a broken DSL install must not hide a packed runtime
+            dsl_note = f"the CuTe DSL failed to import ({type(exc).__name__}: {exc})"
+    if entry_dir is not None:
+        packed = Path(entry_dir).resolve().parent.parent / "runtime" / RUNTIME_LIB_NAME
+        if packed.is_file():
+            return str(packed)
+    raise LoadError(
+        f"{RUNTIME_LIB_NAME} not found ({dsl_note}; no packed copy at <cache>/runtime/): install "
+        f"'mokgen[compiler]', unpack a cache that ships its runtime, or set MOKGEN_RUNTIME_LIB=/path/to/"
+        f"{RUNTIME_LIB_NAME}")
+
+
+def _load_runtime(entry_dir: str | os.PathLike | None) -> None:
+    if _RUNTIME_HANDLES:  # one runtime per process; the first one loaded serves every module
+        return
+    path = find_runtime_library(entry_dir)
+    try:
+        _RUNTIME_HANDLES[path] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise LoadError(f"could not load {path}: {exc}") from exc
+
+
+def load_library(entry_dir: str | os.PathLike, kernels: tuple[str, ...] = KERNELS) -> dict[str, Callable[..., Any]]:
+    """Load ``<entry_dir>/libmokgen.so`` and return ``{kernel name: tvm-ffi function}`` for ``kernels``.
+
+    Loads ``libcute_dsl_runtime.so`` with RTLD_GLOBAL first (see :func:`find_runtime_library`). A library is
+    loaded once per process and kept alive.
+    """
+    entry = Path(entry_dir)
+    lib = entry / MODULE_LIB_NAME
+    if not lib.is_file():
+        raise LoadError(f"{lib} not found: {entry} is not a built mokgen cache entry "
+                        f"(expected {MODULE_LIB_NAME} and meta.json)")
+    with _LOAD_LOCK:
+        _load_runtime(entry)
+        key = str(lib.resolve())
+        mod = _MODULES.get(key)
+        if mod is None:
+            import tvm_ffi
+
+            try:
+                mod = tvm_ffi.load_module(key)
+            except Exception as exc:
+                raise LoadError(f"tvm_ffi could not load {lib}: {exc}") from exc
+            _MODULES[key] = mod
+    missing = [n for n in kernels if not mod.implements_function(n)]
+    if missing:
+        raise LoadError(f"{lib} does not export kernel(s) {missing}; expected {list(kernels)}")
+    return {n: mod[n] for n in kernels}
+
+
+def _read_entry_meta(entry_dir: Path | None) -> dict:
+    if entry_dir is None:
+        return {}
+    p = Path(entry_dir) / "meta.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# architecture
+
+_ARCH_RE = re.compile(r"^sm_(\d+)([af]?)$")
+_DEVICE_ARCH: dict[int, str] = {}
+
+
+def _device_arch(device: torch.device) -> str | None:
+    """``sm_XY`` of a CUDA device (cached), None for other devices. Tests monkeypatch this."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _DEVICE_ARCH.get(index)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _DEVICE_ARCH[index] = f"sm_{major}{minor}"
+    return arch
+
+
+def _arch_number(arch: str) -> str:
+    m = _ARCH_RE.match(arch)
+    if not m:
+        raise ValueError(f"arch must look like 'sm_90a' or 'sm_100a', got {arch!r}")
+    return m.group(1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the compiled layer
+
+_REGISTRY: dict[int, "CompiledMoE"] = {}
+_IDS = itertools.count(1)
+
+
+def _lookup(moe_id: int) -> "CompiledMoE":
+    try:
+        return _REGISTRY[moe_id]
+    except KeyError:
+        raise RuntimeError(f"mokgen: no CompiledMoE with registry id {moe_id} (was it closed?)") from None
+
+
+_DT = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.int32: "int32", torch.int64: "int64"}
+
+
+def _fmt(t: torch.Tensor) -> str:
+    return f"[{', '.join(map(str, t.shape))}] {_DT.get(t.dtype, str(t.dtype).replace('torch.', ''))}"
+
+
+class CompiledMoE:
+    """One rank's MoE layer bound to a built artifact.
+
+    ``CompiledMoE(spec, plan, entry_dir, arch=None)`` loads ``entry_dir/libmokgen.so``. ``functions=`` injects
+    kernels instead (a mapping with the :data:`KERNELS`, e.g. ``reference.reference_kernels(spec, bm)``); with
+    ``allow_cpu=True`` CPU tensors are accepted (tests). ``arch`` defaults to the entry's ``meta.json``.
+
+    Workspaces are allocated per (device, T) on first use and cached on this object (see
+    :meth:`workspace`); calls with the same T share one, so run calls of one object on one stream at a time
+    (or use one object per stream). Allocate a workspace (call once with that T) before CUDA-graph capture.
+    """
+
+    def __init__(self, spec: Any, plan: Any, entry_dir: str | os.PathLike | None = None, *,
+                 arch: str | None = None, functions: Mapping[str, Callable[..., Any]] | None = None,
+                 allow_cpu: bool = False):
+        self.spec = spec
+        self.plan = plan
+        self.cfg: LayerConfig = layer_config(spec)
+        self.name = str(getattr(spec, "name", None) or (spec.get("name") if isinstance(spec, Mapping) else None)
+                        or "moe")
+        self.bm = _bm_of(plan)
+        self.entry_dir = Path(entry_dir) if entry_dir is not None else None
+        meta = _read_entry_meta(self.entry_dir)
+        self.arch = arch or meta.get("arch")
+        if self.arch is not None:
+            _arch_number(self.arch)
+        self.kernels = kernels_of(plan)
+        self.gather = uses_gather_kernel(plan)
+        if functions is None:
+            if self.entry_dir is None:
+                raise ValueError("CompiledMoE needs entry_dir (a built cache entry) or functions=")
+            functions = load_library(self.entry_dir, self.kernels)
+        missing = [n for n in self.kernels if n not in functions]
+        if missing:
+            raise ValueError(f"functions lacks kernel(s) {missing}")
+        self._fns = {n: functions[n] for n in self.kernels}
+        self.allow_cpu = allow_cpu
+        self._workspaces: dict[tuple[str, int, int], Workspace] = {}
+        self._sm_count: dict[tuple[str, int], int] = {}
+        self._unchecked_errors = 0       # flags found (and cleared) by a check=True call before its own launch
+        self._warned_int64 = False
+        self.registry_id = next(_IDS)
+        _REGISTRY[self.registry_id] = self
+
+    def __repr__(self) -> str:
+        return f"CompiledMoE({self.name!r}, arch={self.arch!r}, bm={self.bm}, entry={str(self.entry_dir)!r})"
+
+    def close(self) -> None:
+        """Drop the workspaces and the registry entry (the custom op can no longer reach this object)."""
+        self._workspaces.clear()
+        _REGISTRY.pop(self.registry_id, None)
+
+    # ---- workspace --------------------------------------------------------------------------------------------
+
+    def workspace(self, device: torch.device | str, tokens: int) -> Workspace:
+        """The cached workspace for (device, tokens), allocated on first use (memory: :attr:`Workspace.nbytes`
+        per distinct T; :meth:`clear_workspaces` frees them)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device.type, -1 if device.index is None else device.index, int(tokens))
+        ws = self._workspaces.get(key)
+        if ws is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"mokgen {self.name}: no workspace for T={tokens} on {device} yet; call the layer once with "
+                    "this T before CUDA-graph capture (workspaces must not be allocated inside a capture)")
+            ws = self._workspaces[key] = Workspace.allocate(self.cfg, self.plan, int(tokens), device)
+        return ws
+
+    def clear_workspaces(self) -> None:
+        """Free every workspace (reports pending routing errors first, see :meth:`check_errors`). CUDA graphs
+        captured with this object use its workspaces: do not replay them after this."""
+        try:
+            self.check_errors()
+        finally:
+            self._workspaces.clear()
+
+    # ---- errors -----------------------------------------------------------------------------------------------
+
+    def check_errors(self) -> None:
+        """Raise :class:`RoutingError` if any call since the last check saw an out-of-range ``topk_idx``.
+
+        The routing kernel sets ``meta[1]`` of the call's workspace and never clears it, so the flag is sticky
+        on the device until this method reads and clears it (one host sync). Calls of other T values have
+        their own workspaces; all are checked.
+        """
+        bad_T: list[int] = []
+        by_dev: dict[tuple[str, int], list[Workspace]] = {}
+        for (dev_type, index, _), ws in self._workspaces.items():
+            by_dev.setdefault((dev_type, index), []).append(ws)
+        for (dev_type, index), wss in by_dev.items():
+            if dev_type == "cuda":
+                torch.cuda.synchronize(index)   # the calls may have run on any stream of that device
+            flags = torch.stack([ws.meta[1] for ws in wss]).tolist()
+            for ws, f in zip(wss, flags):
+                if f:
+                    bad_T.append(ws.tokens)
+                    ws.meta[1] = 0
+        earlier = self._unchecked_errors
+        self._unchecked_errors = 0
+        if bad_T or earlier:
+            where = f" (T = {sorted(set(bad_T))})" if bad_T else ""
+            raise RoutingError(
+                f"mokgen {self.name}: since the last check, call(s){where} saw topk_idx values outside "
+                f"[0, {self.cfg.local_experts}); those slots were dropped (contributed 0). Call with check=True "
+                "to find the call and the bad indices.")
+
+    def _count_bad(self, topk_idx: torch.Tensor) -> str:
+        E = self.cfg.local_experts
+        bad = (topk_idx < 0) | (topk_idx >= E)
+        n = int(bad.sum())
+        if n == 0:
+            return "0 bad indices found in topk_idx (flag set by the kernel)"
+        t, k = (int(v) for v in bad.nonzero()[0])
+        return f"{n} topk_idx value(s) outside [0, {E}), e.g. topk_idx[{t}, {k}] = {int(topk_idx[t, k])}"
+
+    # ---- validation -------------------------------------------------------------------------------------------
+
+    def _err(self, msg: str) -> MoEInputError:
+        return MoEInputError(f"mokgen {self.name}: {msg}")
+
+    def validate(self, x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, out=None) -> torch.Tensor:
+        """Check every input against the spec; return ``topk_idx`` as int32 (int64 is converted, with a
+        one-time warning). Raises :class:`MoEInputError` / :class:`ArchMismatchError`; never syncs."""
+        c = self.cfg
+        H, I, G, K = c.hidden, c.ffn, c.groups, c.topk
+        named = {"x": x, "topk_idx": topk_idx, "topk_weight": topk_weight, "w1": w1, "w2": w2}
+        if c.bias:
+            for n, b in (("b1", b1), ("b2", b2)):
+                if b is None:
+                    raise self._err(f"the spec has bias=true: {n} is required")
+            named.update(b1=b1, b2=b2)
+        else:
+            for n, b in (("b1", b1), ("b2", b2)):
+                if b is not None:
+                    raise self._err(f"the spec has bias=false: {n} must be None")
+        if out is not None:
+            named["out"] = out
+        for n, t in named.items():
+            if not isinstance(t, torch.Tensor):
+                raise self._err(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if x.dim() != 2:
+            raise self._err(f"x must be [T, H={H}] bfloat16, got {_fmt(x)}")
+        T = x.shape[0]
+        want = {"x": ((T, H), (torch.bfloat16,)),
+                "topk_idx": ((T, K), (torch.int32, torch.int64)),
+                "topk_weight": ((T, K), (torch.float32,)),
+                "w1": ((G, 2 * I, H), (torch.bfloat16,)),
+                "w2": ((G, H, I), (torch.bfloat16,)),
+                "b1": ((G, 2 * I), (torch.float32,)),
+                "b2": ((G, H), (torch.float32,)),
+                "out": ((T, H), (torch.bfloat16,))}
+        dims = {"x": "T, H", "topk_idx": "T, K", "topk_weight": "T, K", "w1": "G, 2I, H", "w2": "G, H, I",
+                "b1": "G, 2I", "b2": "G, H", "out": "T, H"}
+        for n, t in named.items():
+            shape, dtypes = want[n]
+            if tuple(t.shape) != shape or t.dtype not in dtypes:
+                exp = f"[{', '.join(map(str, shape))}] {' or '.join(_DT[d] for d in dtypes)}"
+                raise self._err(f"{n} must be {exp} ([{dims[n]}] with T={T}, H={H}, I={I}, G={G}, K={K}), "
+                                f"got {_fmt(t)}")
+        for n, t in named.items():
+            if not t.is_contiguous():
+                raise self._err(f"{n} must be contiguous (call .contiguous()), got strides {tuple(t.stride())}")
+        dev = x.device
+        for n, t in named.items():
+            if t.device != dev:
+                raise self._err(f"all inputs must be on one device: x is on {dev}, {n} on {t.device}")
+        if dev.type != "cuda" and not self.allow_cpu:
+            raise self._err(f"inputs must be CUDA tensors, got {dev}")
+        dev_arch = _device_arch(dev)
+        if dev_arch is not None and self.arch is not None and _arch_number(self.arch) != _arch_number(dev_arch):
+            raise ArchMismatchError(
+                f"mokgen {self.name}: the kernels were built for {self.arch} but {dev} is {dev_arch}; compile for "
+                f"this GPU: mokgen.compile(spec, arch='{dev_arch}a') (or set MOKGEN_ARCH={dev_arch}a)")
+        if topk_idx.dtype == torch.int64:
+            if not self._warned_int64:
+                self._warned_int64 = True
+                warnings.warn(f"mokgen {self.name}: topk_idx is int64; converting to int32 on every call "
+                              "(one extra copy). Pass int32 to avoid it.", stacklevel=3)
+            topk_idx = topk_idx.to(torch.int32)
+        return topk_idx
+
+    # ---- launch -----------------------------------------------------------------------------------------------
+
+    def default_num_ctas(self, device: torch.device) -> int:
+        """The SM count of a CUDA device (1 on a CPU)."""
+        if device.type != "cuda":
+            return 1
+        key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+        n = self._sm_count.get(key)
+        if n is None:
+            n = self._sm_count[key] = torch.cuda.get_device_properties(key[1]).multi_processor_count
+        return n
+
+    @staticmethod
+    def _stream(device: torch.device):
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        import tvm_ffi
+
+        return tvm_ffi.use_torch_stream(torch.cuda.device(device))
+
+    def __call__(self, x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, out: torch.Tensor | None = None,
+                 num_ctas: int | None = None, check: bool = False) -> torch.Tensor:
+        """y [T, H] bf16 (written into ``out`` when given, and returned).
+
+        Runs on the current torch stream of x's device: ``routing``, (``gather``,) ``gemm1``, ``gemm2``,
+        ``combine``. No host
+        sync unless ``check=True``, which syncs and raises :class:`RoutingError` (naming the bad indices) if
+        this call's topk_idx had out-of-range ids. ``num_ctas`` (default: the SM count) must not change the bits.
+        """
+        topk_idx = self.validate(x, topk_idx, topk_weight, w1, w2, b1, b2, out)
+        if num_ctas is None:
+            num_ctas = self.default_num_ctas(x.device)
+        elif not isinstance(num_ctas, int) or isinstance(num_ctas, bool) or num_ctas < 1:
+            raise self._err(f"num_ctas must be a positive int, got {num_ctas!r}")
+        T = x.shape[0]
+        y = out if out is not None else torch.empty((T, self.cfg.hidden), dtype=torch.bfloat16, device=x.device)
+        if T == 0:
+            return y
+        ws = self.workspace(x.device, T)
+        if check:
+            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"mokgen {self.name}: check=True syncs the host; not allowed in CUDA-graph "
+                                   "capture (use check_errors() after replay)")
+            if int(ws.meta[1]):       # an earlier, unchecked call's error: keep it for check_errors()
+                self._unchecked_errors += 1
+                ws.meta[1] = 0
+        b1_ = b1 if b1 is not None else ws.dummy_bias
+        b2_ = b2 if b2 is not None else ws.dummy_bias
+        f = self._fns
+        with self._stream(x.device):
+            f["routing"](topk_idx, topk_weight, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos)
+            a = x
+            if self.gather:
+                f[GATHER_KERNEL](x, ws.row_src, ws.meta, ws.xg)
+                a = ws.xg
+            f["gemm1"](a, w1, b1_, ws.row_src, ws.tile_group, ws.meta, ws.h, num_ctas)
+            f["gemm2"](ws.h, w2, b2_, ws.row_w, ws.tile_group, ws.meta, ws.ys, num_ctas)
+            f["combine"](ws.ys, ws.slot_pos, y)
+        if check and int(ws.meta[1]):
+            ws.meta[1] = 0
+            raise RoutingError(f"mokgen {self.name}: {self._count_bad(topk_idx)}; those slots were dropped "
+                               "(contributed 0)")
+        return y
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch.library ops and autograd
+
+_FWD_SCHEMA = ("(Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2, "
+               "int moe_id) -> Tensor")
+_BWD_SCHEMA = ("(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, "
+               "Tensor? b2, int moe_id) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("mokgen::moe_forward", mutates_args=(), schema=_FWD_SCHEMA)
+def _moe_forward_op(x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
+    return _lookup(moe_id)(x, topk_idx, topk_weight, w1, w2, b1, b2)
+
+
+@_moe_forward_op.register_fake
+def _moe_forward_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
+    torch._check(x.dim() == 2, lambda: f"mokgen: x must be [T, H], got {x.dim()} dims")
+    torch._check(topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0], lambda: "mokgen: topk_idx must be [T, K]")
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("mokgen::moe_backward", mutates_args=(), schema=_BWD_SCHEMA)
+def _moe_backward_op(dy, x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
+    # Backward kernels are not yet generated: the reference math in torch, float32 on the bf16 inputs.
+    moe = _lookup(moe_id)
+    g = reference.backward(dy, x, topk_idx, topk_weight, w1, w2, moe.cfg, b1, b2, dtype=torch.float32)
+    empty = x.new_empty((0,), dtype=torch.float32)
+    return (g.x.to(x.dtype), g.topk_weight.to(topk_weight.dtype), g.w1.to(w1.dtype), g.w2.to(w2.dtype),
+            g.b1.to(b1.dtype) if b1 is not None else empty,
+            g.b2.to(b2.dtype) if b2 is not None else empty.clone())
+
+
+@_moe_backward_op.register_fake
+def _moe_backward_fake(dy, x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
+    def like(t):
+        return torch.empty_like(t) if t is not None else x.new_empty((0,), dtype=torch.float32)
+
+    return like(x), like(topk_weight), like(w1), like(w2), like(b1), like(b2)
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id = inputs
+    ctx.save_for_backward(x, topk_idx, topk_weight, w1, w2, b1, b2)
+    ctx.moe_id = moe_id
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+
+
+def _backward(ctx, dy):
+    x, topk_idx, topk_weight, w1, w2, b1, b2 = ctx.saved_tensors
+    dx, dtw, dw1, dw2, db1, db2 = torch.ops.mokgen.moe_backward(dy.contiguous(), x, topk_idx, topk_weight, w1, w2,
+                                                                 b1, b2, ctx.moe_id)
+    return (dx, None, dtw, dw1, dw2, db1 if ctx.has_b1 else None, db2 if ctx.has_b2 else None, None)
+
+
+torch.library.register_autograd("mokgen::moe_forward", _backward, setup_context=_setup_context)
+
+
+def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: CompiledMoE) -> torch.Tensor:
+    """Differentiable y = MoE(x) through ``torch.ops.mokgen.moe_forward`` (torch.compile-able: fake impl
+    registered). The backward runs in torch (reference math, float32); backward kernels are not yet generated."""
+    return torch.ops.mokgen.moe_forward(x, topk_idx, topk_weight, w1, w2, b1, b2, moe.registry_id)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# nn.Module
+
+
+def _as_spec(spec: Any) -> Any:
+    if isinstance(spec, (str, os.PathLike, Mapping)):
+        from .spec import load_spec
+
+        return load_spec(spec)
+    return spec
+
+
+class MoE(torch.nn.Module):
+    """One rank's MoE layer with its expert weights as Parameters.
+
+    ``w1 [G, 2I, H]``, ``w2 [G, H, I]`` (``dtype``, bf16) and, when ``spec.bias``, ``b1 [G, 2I]``, ``b2 [G, H]``
+    (fp32), initialized like :func:`mokgen.reference.random_inputs` (N(0, 1/fan_in); biases N(0, 0.01)) from the
+    global torch RNG. The kernels are compiled (or loaded from the cache) on the first forward, unless
+    ``compiled=`` is given. Backward runs in torch (backward kernels are not yet generated).
+    """
+
+    def __init__(self, spec: Any, arch: str | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, *, compiled: CompiledMoE | None = None):
+        super().__init__()
+        if dtype != torch.bfloat16:
+            raise ValueError(f"mokgen.MoE: only bfloat16 expert weights are supported, got {dtype}")
+        self.spec = _as_spec(spec)
+        self.cfg = layer_config(self.spec)
+        self.arch = arch
+        self._compiled = compiled
+        c = self.cfg
+        G, H, I = c.groups, c.hidden, c.ffn
+        self.w1 = torch.nn.Parameter(torch.empty(G, 2 * I, H, device=device, dtype=dtype))
+        self.w2 = torch.nn.Parameter(torch.empty(G, H, I, device=device, dtype=dtype))
+        if c.bias:
+            self.b1 = torch.nn.Parameter(torch.empty(G, 2 * I, device=device, dtype=torch.float32))
+            self.b2 = torch.nn.Parameter(torch.empty(G, H, device=device, dtype=torch.float32))
+        else:
+            self.register_parameter("b1", None)
+            self.register_parameter("b2", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        c = self.cfg
+        if self.w1.device.type == "meta":
+            return
+        self.w1.normal_(0.0, 1.0 / math.sqrt(c.hidden))
+        self.w2.normal_(0.0, 1.0 / math.sqrt(c.ffn))
+        if self.b1 is not None:
+            self.b1.normal_(0.0, 0.1)
+            self.b2.normal_(0.0, 0.1)
+
+    @property
+    def compiled(self) -> CompiledMoE:
+        """The kernels (compiled or loaded on first use; touch this before ``torch.compile`` tracing)."""
+        if self._compiled is None:
+            self._compile()
+        return self._compiled
+
+    @torch.compiler.disable
+    def _compile(self) -> None:
+        self._compiled = compile(self.spec, self.arch)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        return moe_forward(x, topk_idx, topk_weight, self.w1, self.w2, self.b1, self.b2, moe=self.compiled)
+
+    def check_errors(self) -> None:
+        """See :meth:`CompiledMoE.check_errors`."""
+        if self._compiled is not None:
+            self._compiled.check_errors()
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"name={getattr(self.spec, 'name', '?')}, H={c.hidden}, I={c.ffn}, groups={c.groups} "
+                f"({c.local_experts} local + {c.shared_experts} shared), topk={c.topk}, bias={c.bias}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# compile
+
+_COMPILED: dict[str, CompiledMoE] = {}
+
+
+def _dsl_available() -> bool:
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def compile(spec: Any, arch: str | None = None, force: bool = False) -> CompiledMoE:
+    """spec (a Spec, preset name, YAML path or mapping) -> load_spec -> plan.solve -> emit.emit ->
+    cache.get_or_build (build.build on a miss) -> :class:`CompiledMoE` (one per cache entry per process).
+
+    ``arch``: as :func:`mokgen.build.resolve_arch` (argument, ``$MOKGEN_ARCH``, the visible GPU). Without the
+    CuTe DSL a cached (or unpacked) entry is still loaded; a miss raises an error saying what to install.
+    ``force=True`` rebuilds (needs the DSL).
+    """
+    from .spec import Spec, load_spec
+
+    if not isinstance(spec, Spec):
+        spec = load_spec(spec)
+    build_mod = importlib.import_module("mokgen.build")
+    arch = build_mod.resolve_arch(arch)
+    plan_mod = importlib.import_module("mokgen.plan")
+    emit_mod = importlib.import_module("mokgen.emit")
+    cache_mod = importlib.import_module("mokgen.cache")
+    plan = plan_mod.solve(spec, arch)
+    sources = emit_mod.emit(plan)
+    if _dsl_available():
+        art = cache_mod.get_or_build(sources, arch, force=force)
+        entry = Path(getattr(art, "dir", art))
+    else:
+        entry = None if force else cache_mod.find(sources, arch)
+        if entry is None:
+            what = "force=True needs" if force else f"no cached kernels for {spec.name!r} on {arch}, and building needs"
+            raise RuntimeError(
+                f"mokgen: {what} the CuTe DSL compiler, which is not installed: pip install 'mokgen[compiler]', "
+                "or unpack a prebuilt cache (mokgen cache unpack) into $MOKGEN_CACHE_DIR")
+        entry = Path(entry)
+    key = str(entry.resolve())
+    moe = None if force else _COMPILED.get(key)
+    if moe is None:
+        moe = _COMPILED[key] = CompiledMoE(spec, plan, entry, arch=arch)
+    return moe

@@ -1,0 +1,581 @@
+"""The MoE layer in plain torch: the ground truth every test compares against.
+
+Everything here follows ``docs/contract.md`` ("The layer the kernels compute"):
+
+* inputs ``x [T, H]``, ``topk_idx [T, K]`` (local expert ids), ``topk_weight [T, K]``,
+  ``w1 [G, 2I, H]``, ``w2 [G, H, I]``, optional ``b1 [G, 2I]``, ``b2 [G, H]``; G = local experts + shared
+  experts, the shared experts being the LAST S groups (every token visits each, weight 1);
+* ``w1`` layout "concat" (rows [0, I) gate, [I, 2I) up) or "interleaved" (row 2j gate_j, 2j+1 up_j);
+* activations: ``swiglu`` a = silu(g) * u; ``swiglu`` with a limit L: g = min(g, L), u = clamp(u, -L, L);
+  ``swiglu_oai``: g = min(g, L), u = clamp(u, -L, L) (L = 7 unless the spec says otherwise),
+  a = g * sigmoid(1.702 g) * (u + 1). Biases are added to g / u before the clamp.
+* ``y[t] = sum_k w[t,k] * (W2[e] a_e(x_t) + b2[e]) + sum_s (W2[s] a_s(x_t) + b2[s])``, e = idx[t, k].
+
+A slot whose expert id is out of range (< 0 or >= local experts) contributes nothing here, exactly like the
+kernels, which drop it (``slot_pos = -1``) and raise the routing error flag.
+
+The module has four parts:
+
+1. :func:`forward` / :func:`backward` / :func:`backward_autograd`: the layer's math, computed in ``dtype``
+   (float64 by default) after upcasting every input.
+2. :func:`random_inputs`: inputs with the distributions the tests use, several routing patterns.
+3. :func:`rel_err`: ``||a - b|| / ||b||``.
+4. ``ref_routing`` / ``ref_gemm1`` / ``ref_gemm2`` / ``ref_combine`` (and :func:`reference_kernels`): each
+   device kernel's contract (workspace layout included) executed in torch, with the kernels' exact argument
+   lists. They let the runtime (``mokgen.ops``) be tested on a CPU, and let a kernel author compare one kernel's
+   workspace output against its reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+__all__ = [
+    "LayerConfig",
+    "layer_config",
+    "forward",
+    "backward",
+    "backward_autograd",
+    "Grads",
+    "MoEInputs",
+    "random_inputs",
+    "ROUTING_MODES",
+    "rel_err",
+    "ref_routing",
+    "ref_gather",
+    "ref_gemm1",
+    "ref_gemm2",
+    "ref_combine",
+    "reference_kernels",
+]
+
+OAI_ALPHA = 1.702
+OAI_DEFAULT_LIMIT = 7.0
+ROUTING_MODES = ("random", "one_expert", "skewed", "empty_experts")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The fields of a :class:`mokgen.spec.Spec` that the layer's math needs (duck-typed, so a Spec, a mapping or
+    any object with these attributes works; missing optional fields take the defaults below)."""
+
+    hidden: int = 0
+    ffn: int = 0
+    experts: int = 0
+    topk: int = 0
+    ep: int = 1
+    tokens: int = 0
+    shared_experts: int = 0
+    activation: str = "swiglu"
+    swiglu_limit: float | None = None
+    gate_up_layout: str = "concat"
+    bias: bool = False
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
+
+    @property
+    def groups(self) -> int:
+        return self.local_experts + self.shared_experts
+
+    @property
+    def limit(self) -> float | None:
+        """The clamp actually applied: swiglu_oai always clamps (7.0 unless the spec sets a limit)."""
+        if self.activation == "swiglu_oai":
+            return OAI_DEFAULT_LIMIT if self.swiglu_limit is None else float(self.swiglu_limit)
+        return None if self.swiglu_limit is None else float(self.swiglu_limit)
+
+
+_FIELDS = tuple(LayerConfig.__dataclass_fields__)
+
+
+def layer_config(spec_or_cfg: Any) -> LayerConfig:
+    """Normalize a Spec, a preset name / YAML path, a mapping, or an attribute object into a LayerConfig."""
+    if isinstance(spec_or_cfg, LayerConfig):
+        return spec_or_cfg
+    if isinstance(spec_or_cfg, (str, os.PathLike)):
+        from .spec import load_spec  # lazy: the spec module is only needed for names and files
+
+        spec_or_cfg = load_spec(spec_or_cfg)
+    if isinstance(spec_or_cfg, Mapping):
+        get = spec_or_cfg.get
+    else:
+        def get(name, default=None, _o=spec_or_cfg):
+            return getattr(_o, name, default)
+    kw = {}
+    for f in _FIELDS:
+        v = get(f, None)
+        if v is not None:
+            kw[f] = v
+    cfg = LayerConfig(**kw)
+    if cfg.activation not in ("swiglu", "swiglu_oai"):
+        raise ValueError(f"activation: must be 'swiglu' or 'swiglu_oai', got {cfg.activation!r}")
+    if cfg.gate_up_layout not in ("concat", "interleaved"):
+        raise ValueError(f"gate_up_layout: must be 'concat' or 'interleaved', got {cfg.gate_up_layout!r}")
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the layer's math
+
+
+def _split_gate_up(z: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if layout == "interleaved":
+        return z[:, 0::2], z[:, 1::2]
+    i = z.shape[1] // 2
+    return z[:, :i], z[:, i:]
+
+
+def _merge_gate_up(dg: torch.Tensor, du: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "interleaved":
+        return torch.stack((dg, du), dim=-1).reshape(dg.shape[0], 2 * dg.shape[1])
+    return torch.cat((dg, du), dim=1)
+
+
+def _activation(g: torch.Tensor, u: torch.Tensor, cfg: LayerConfig) -> torch.Tensor:
+    """a(g, u) for pre-activations that already include b1 (clamps applied here)."""
+    lim = cfg.limit
+    if lim is not None:
+        g = torch.clamp(g, max=lim)
+        u = torch.clamp(u, min=-lim, max=lim)
+    if cfg.activation == "swiglu_oai":
+        return g * torch.sigmoid(OAI_ALPHA * g) * (u + 1.0)
+    return torch.nn.functional.silu(g) * u
+
+
+def _activation_backward(g_raw: torch.Tensor, u_raw: torch.Tensor, da: torch.Tensor, cfg: LayerConfig):
+    """(a, dg_raw, du_raw) given da = dL/da; derivative of the clamps follows torch.clamp (inclusive bounds)."""
+    lim = cfg.limit
+    if lim is not None:
+        g = torch.clamp(g_raw, max=lim)
+        u = torch.clamp(u_raw, min=-lim, max=lim)
+        mg = (g_raw <= lim).to(da.dtype)
+        mu = ((u_raw >= -lim) & (u_raw <= lim)).to(da.dtype)
+    else:
+        g, u, mg, mu = g_raw, u_raw, None, None
+    if cfg.activation == "swiglu_oai":
+        s = torch.sigmoid(OAI_ALPHA * g)
+        glu = g * s                                   # g * sigmoid(alpha g)
+        a = glu * (u + 1.0)
+        dglu = s + OAI_ALPHA * glu * (1.0 - s)        # d/dg [g sigmoid(alpha g)]
+        dg = da * dglu * (u + 1.0)
+        du = da * glu
+    else:
+        s = torch.sigmoid(g)
+        silu = g * s
+        a = silu * u
+        dg = da * u * s * (1.0 + g * (1.0 - s))       # silu'(g) = s (1 + g (1 - s))
+        du = da * silu
+    if mg is not None:
+        dg = dg * mg
+        du = du * mu
+    return a, dg, du
+
+
+def _check_shapes(x, topk_idx, topk_weight, w1, w2, b1, b2, cfg: LayerConfig):
+    if x.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected x [T,H], w1 [G,2I,H], w2 [G,H,I]; got {tuple(x.shape)}, "
+                         f"{tuple(w1.shape)}, {tuple(w2.shape)}")
+    T, H = x.shape
+    G, I2, H1 = w1.shape
+    I = I2 // 2
+    if H1 != H or tuple(w2.shape) != (G, H, I) or I2 != 2 * I:
+        raise ValueError(f"inconsistent shapes: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != T or tuple(topk_weight.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_idx / topk_weight must be [T={T}, K]; got {tuple(topk_idx.shape)}, "
+                         f"{tuple(topk_weight.shape)}")
+    S = cfg.shared_experts
+    if not 0 <= S <= G:
+        raise ValueError(f"shared_experts={S} but w1 has only {G} groups")
+    if b1 is not None and tuple(b1.shape) != (G, I2):
+        raise ValueError(f"b1 must be [{G}, {I2}], got {tuple(b1.shape)}")
+    if b2 is not None and tuple(b2.shape) != (G, H):
+        raise ValueError(f"b2 must be [{G}, {H}], got {tuple(b2.shape)}")
+    return T, H, G, I, topk_idx.shape[1], G - S, S
+
+
+def _routed_groups(topk_idx: torch.Tensor, E: int):
+    """Yield (group, flat slot ids) for each local expert with at least one valid slot, slots in (t, k) order.
+    One host sync (the counts)."""
+    flat = topk_idx.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1).tolist()
+    start = 0
+    for e in range(E):
+        n = counts[e]
+        if n:
+            yield e, order[start:start + n]
+        start += n
+
+
+def _expert_forward(xg, g, w1, w2, b1, b2, cfg, dtype):
+    z = xg @ w1[g].to(dtype).t()
+    if b1 is not None:
+        z = z + b1[g].to(dtype)
+    gate, up = _split_gate_up(z, cfg.gate_up_layout)
+    a = _activation(gate, up, cfg)
+    o = a @ w2[g].to(dtype).t()
+    if b2 is not None:
+        o = o + b2[g].to(dtype)
+    return o
+
+
+def forward(x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None, dtype=torch.float64,
+            out_dtype=None) -> torch.Tensor:
+    """y [T, H] computed in ``dtype`` (every input upcast first), returned in ``out_dtype`` (default: ``dtype``).
+
+    Differentiable (autograd flows to x, topk_weight, w1, w2, b1, b2). Weights are upcast one group at a time,
+    so memory stays near one float64 expert. One host sync (the per-expert counts).
+    """
+    cfg = layer_config(spec_or_cfg)
+    T, H, G, I, K, E, S = _check_shapes(x, topk_idx, topk_weight, w1, w2, b1, b2, cfg)
+    xd = x.to(dtype)
+    wflat = topk_weight.reshape(-1).to(dtype)
+    y = torch.zeros(T, H, dtype=dtype, device=x.device)
+    if T:
+        for e, slots in _routed_groups(topk_idx, E):
+            t = torch.div(slots, K, rounding_mode="floor")
+            o = _expert_forward(xd[t], e, w1, w2, b1, b2, cfg, dtype)
+            y = y.index_add(0, t, o * wflat[slots].unsqueeze(1))
+        for s in range(S):
+            y = y + _expert_forward(xd, E + s, w1, w2, b1, b2, cfg, dtype)
+    return y.to(out_dtype or dtype)
+
+
+class Grads(NamedTuple):
+    x: torch.Tensor
+    topk_weight: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    b1: torch.Tensor | None
+    b2: torch.Tensor | None
+
+
+def backward(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None,
+             dtype=torch.float64) -> Grads:
+    """Hand-written backward of :func:`forward` (all grads in ``dtype``), the math the backward kernels will use.
+
+    Per routed slot (t, k) with expert e, writing z = W1[e] x_t + b1[e] (split into gate g / up u), a = act(z),
+    w = topk_weight[t, k]:
+
+    * dA' = dy_t W2[e]                (the down-projection's dgrad, *before* the routing weight)
+    * dS[t, k] = <dA', a> + <dy_t, b2[e]>      (SonicMoE: <dy_t, W2 a + b2> without materializing W2 a)
+    * dA = w dA';  dz = act'(z) * dA (clamp masks included);  dx_t += dz W1[e]
+    * dW1[e] += dz^T x_t, db1[e] += dz;  dW2[e] += (w dy_t)^T a, db2[e] += w dy_t
+    Shared experts: the same with w = 1 and no dS. Out-of-range slots get dS = 0.
+    """
+    cfg = layer_config(spec_or_cfg)
+    T, H, G, I, K, E, S = _check_shapes(x, topk_idx, topk_weight, w1, w2, b1, b2, cfg)
+    dev = x.device
+    xd, dyd = x.to(dtype), dy.to(dtype)
+    wflat = topk_weight.reshape(-1).to(dtype)
+    dx = torch.zeros(T, H, dtype=dtype, device=dev)
+    dS = torch.zeros(T * K, dtype=dtype, device=dev)
+    dw1 = torch.zeros(G, 2 * I, H, dtype=dtype, device=dev)
+    dw2 = torch.zeros(G, H, I, dtype=dtype, device=dev)
+    db1 = torch.zeros(G, 2 * I, dtype=dtype, device=dev) if b1 is not None else None
+    db2 = torch.zeros(G, H, dtype=dtype, device=dev) if b2 is not None else None
+
+    def one_group(g, t, w):
+        """w: routing weights of the rows (None for a shared expert). Returns dS of the rows (or None)."""
+        xg = xd if t is None else xd[t]
+        dyg = dyd if t is None else dyd[t]
+        W1, W2 = w1[g].to(dtype), w2[g].to(dtype)
+        z = xg @ W1.t()
+        if b1 is not None:
+            z = z + b1[g].to(dtype)
+        g_raw, u_raw = _split_gate_up(z, cfg.gate_up_layout)
+        dAp = dyg @ W2                                         # [n, I]
+        dA = dAp if w is None else dAp * w.unsqueeze(1)
+        a, dg, du = _activation_backward(g_raw, u_raw, dA, cfg)
+        dz = _merge_gate_up(dg, du, cfg.gate_up_layout)        # [n, 2I]
+        dxg = dz @ W1
+        if t is None:
+            dx.add_(dxg)
+        else:
+            dx.index_add_(0, t, dxg)
+        dw1[g] += dz.t() @ xg
+        dyw = dyg if w is None else dyg * w.unsqueeze(1)
+        dw2[g] += dyw.t() @ a
+        if db1 is not None:
+            db1[g] += dz.sum(0)
+        if db2 is not None:
+            db2[g] += dyw.sum(0)
+        if w is None:
+            return None
+        ds = (dAp * a).sum(1)
+        if b2 is not None:
+            ds = ds + dyg @ b2[g].to(dtype)
+        return ds
+
+    if T:
+        for e, slots in _routed_groups(topk_idx, E):
+            t = torch.div(slots, K, rounding_mode="floor")
+            dS[slots] = one_group(e, t, wflat[slots])
+        for s in range(S):
+            one_group(E + s, None, None)
+    return Grads(dx, dS.reshape(T, K), dw1, dw2, db1, db2)
+
+
+def backward_autograd(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None,
+                      dtype=torch.float64) -> Grads:
+    """The same grads as :func:`backward`, by autograd through :func:`forward` (the check on the hand-written one)."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) if t is not None else None
+              for t in (x, topk_weight, w1, w2, b1, b2)]
+    xl, wl, w1l, w2l, b1l, b2l = leaves
+    y = forward(xl, topk_idx, wl, w1l, w2l, spec_or_cfg, b1l, b2l, dtype=dtype)
+    inputs = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(y, inputs, dy.to(dtype), allow_unused=True)
+    it = iter(grads)
+    out = []
+    for leaf in leaves:
+        if leaf is None:
+            out.append(None)
+        else:
+            g = next(it)
+            out.append(torch.zeros_like(leaf) if g is None else g)
+    return Grads(*out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+class MoEInputs(NamedTuple):
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    b1: torch.Tensor | None
+    b2: torch.Tensor | None
+
+
+def _sample_idx(T: int, K: int, pool: torch.Tensor, probs: torch.Tensor | None, gen, device) -> torch.Tensor:
+    """[T, K] ids drawn from ``pool`` (distinct per token when K <= len(pool), else with replacement)."""
+    n = pool.numel()
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int32, device=device)
+    if probs is None:
+        if K <= n:
+            pick = torch.rand(T, n, generator=gen, device=device).argsort(dim=1)[:, :K]
+        else:
+            pick = torch.randint(0, n, (T, K), generator=gen, device=device)
+    else:
+        p = probs.to(device=device, dtype=torch.float32).expand(T, n).contiguous()
+        pick = torch.multinomial(p, K, replacement=K > n, generator=gen)
+    return pool.to(device)[pick].to(torch.int32).contiguous()
+
+
+def random_inputs(spec, tokens: int | None = None, device: str | torch.device = "cpu", seed: int = 0,
+                  routing: str = "random") -> MoEInputs:
+    """Random inputs for one rank's layer.
+
+    x ~ N(0, 1); w1 ~ N(0, 1/H), w2 ~ N(0, 1/I) (bf16); b1, b2 ~ N(0, 0.1^2) fp32 when ``spec.bias``;
+    topk_weight = softmax over the K slots of N(0, 1) logits (fp32, positive, rows sum to 1).
+    topk_idx int32 local expert ids, by ``routing``:
+
+    * ``random``: uniform; distinct experts per token when K <= local experts, else sampled with replacement
+      (the ep > 1 case where one rank holds fewer experts than K);
+    * ``one_expert``: every (t, k) slot goes to the LAST local expert: one group of T*K rows, all others empty;
+    * ``skewed``: Zipf-like popularity (p_e ~ 1/(rank+1)^1.2 over a random expert order);
+    * ``empty_experts``: only odd-numbered experts receive tokens (expert 0 and every even one stay empty).
+    """
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing must be one of {ROUTING_MODES}, got {routing!r}")
+    cfg = layer_config(spec)
+    T = cfg.tokens if tokens is None else int(tokens)
+    H, I, K, E, G = cfg.hidden, cfg.ffn, cfg.topk, cfg.local_experts, cfg.groups
+    if min(H, I, K, E) <= 0:
+        raise ValueError(f"spec needs positive hidden, ffn, topk and local experts; got {cfg}")
+    device = torch.device(device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    bf = torch.bfloat16
+
+    x = torch.randn(T, H, generator=gen, device=device, dtype=bf)
+    w1 = torch.randn(G, 2 * I, H, generator=gen, device=device, dtype=bf).mul_(1.0 / math.sqrt(H))
+    w2 = torch.randn(G, H, I, generator=gen, device=device, dtype=bf).mul_(1.0 / math.sqrt(I))
+    b1 = b2 = None
+    if cfg.bias:
+        b1 = torch.randn(G, 2 * I, generator=gen, device=device, dtype=torch.float32).mul_(0.1)
+        b2 = torch.randn(G, H, generator=gen, device=device, dtype=torch.float32).mul_(0.1)
+
+    experts = torch.arange(E, dtype=torch.int64)
+    if routing == "random":
+        idx = _sample_idx(T, K, experts, None, gen, device)
+    elif routing == "one_expert":
+        idx = torch.full((T, K), E - 1, dtype=torch.int32, device=device)
+    elif routing == "skewed":
+        perm = torch.randperm(E, generator=torch.Generator().manual_seed(seed))
+        probs = torch.empty(E)
+        probs[perm] = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** 1.2
+        idx = _sample_idx(T, K, experts, probs / probs.sum(), gen, device)
+    else:  # empty_experts
+        pool = experts[1::2] if E > 1 else experts
+        idx = _sample_idx(T, K, pool, None, gen, device)
+    logits = torch.randn(T, K, generator=gen, device=device, dtype=torch.float32)
+    topk_weight = torch.softmax(logits, dim=1).contiguous()
+    return MoEInputs(x, idx, topk_weight, w1, w2, b1, b2)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the absolute ||a - b|| when b is all zeros; NaN if either holds a NaN)."""
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    num = torch.linalg.vector_norm(a64 - b64).item()
+    den = torch.linalg.vector_norm(b64).item()
+    return num / den if den > 0 else num
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reference kernels: the device workspace contract executed in torch (docs/contract.md, "Device workspace")
+
+
+def ref_routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos, *, local_experts: int,
+                shared_experts: int, bm: int) -> None:
+    """Fill the workspace like the ``routing`` kernel.
+
+    Padded permuted row space: group g gets ceil(count_g / bm) * bm rows, groups in order 0..G-1, rows inside a
+    group in (t, k) order; shared group E+s holds every token in t order. Writes, for the used rows only,
+    ``row_src`` (token, padding 0) and ``row_w`` (weight, padding 0, shared 1); all of ``tile_group`` (group of
+    each used M tile, -1 after); ``slot_pos [T, K+S]`` (row of each slot, -1 for an out-of-range id);
+    ``meta[0]`` = used tiles. ``meta[1]`` is only ever SET to 1 (on an out-of-range id), never cleared: the
+    runtime owns clearing it, which makes it a sticky error flag. meta[2], meta[3] are left alone.
+    """
+    E, S = local_experts, shared_experts
+    G = E + S
+    T, K = topk_idx.shape
+    dev = row_src.device
+    flat = topk_idx.reshape(-1).to(dev).long()
+    valid = (flat >= 0) & (flat < E)
+    if not bool(valid.all()):
+        meta[1] = 1
+    key = torch.where(valid, flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)
+    counts_e = torch.bincount(key, minlength=E + 1)                           # [E+1], last = invalid
+    counts = torch.cat([counts_e[:E], torch.full((S,), T, dtype=counts_e.dtype, device=dev)])
+    padded = (counts + bm - 1) // bm * bm
+    offsets = torch.cumsum(padded, 0) - padded                               # [G]
+    used = int(padded.sum())
+    if used > row_src.numel() or used // bm > tile_group.numel():
+        raise RuntimeError(f"workspace too small: {used} rows needed, {row_src.numel()} allocated")
+
+    row_src[:used] = 0
+    row_w[:used] = 0
+    slot_pos.fill_(-1)
+    # routed slots: rank inside the group = position in the stable sort minus the group's start
+    sorted_key = key[order]
+    start = torch.cumsum(counts_e, 0) - counts_e
+    rank = torch.arange(T * K, device=dev) - start[sorted_key]
+    ok = sorted_key < E
+    dest = offsets[sorted_key[ok]] + rank[ok]
+    src_slots = order[ok]
+    sp = torch.full((T * K,), -1, dtype=torch.int64, device=dev)
+    sp[src_slots] = dest
+    slot_pos[:, :K] = sp.reshape(T, K).to(slot_pos.dtype)
+    row_src[dest] = torch.div(src_slots, K, rounding_mode="floor").to(row_src.dtype)
+    row_w[dest] = topk_weight.reshape(-1).to(dev)[src_slots].to(row_w.dtype)
+    # shared experts
+    tok = torch.arange(T, device=dev)
+    for s in range(S):
+        d = offsets[E + s] + tok
+        slot_pos[:, K + s] = d.to(slot_pos.dtype)
+        row_src[d] = tok.to(row_src.dtype)
+        row_w[d] = 1.0
+    tile_group.fill_(-1)
+    tiles = torch.repeat_interleave(torch.arange(G, device=dev), padded // bm)
+    tile_group[:tiles.numel()] = tiles.to(tile_group.dtype)
+    meta[0] = used // bm
+
+
+def _used_group_tiles(tile_group, meta, bm):
+    """[(group, first row, end row)] of the used M tiles (consecutive tiles of one group merged)."""
+    n = int(meta[0])
+    tg = tile_group[:n].tolist()
+    out, m = [], 0
+    while m < n:
+        g, m0 = tg[m], m
+        while m < n and tg[m] == g:
+            m += 1
+        out.append((g, m0 * bm, m * bm))
+    return out
+
+
+def ref_gather(x, row_src, meta, xg, *, bm: int) -> None:
+    """xg[r] = x[row_src[r]] for the used rows (the optional ``gather`` kernel of plans whose GEMM 1 loads A
+    by TMA)."""
+    n = int(meta[0]) * bm
+    xg[:n] = x[row_src[:n].long()]
+
+
+def ref_gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas, *, cfg: LayerConfig, bm: int,
+              gathered: bool = False) -> None:
+    """h[r] = act(W1[g] x[row_src[r]] + b1[g]) for the used rows (fp32 math, bf16 store); padding rows
+    gather token 0 like the kernel. With ``gathered=True`` the first argument is ``xg`` (rows already
+    gathered: A[r] is used as is). ``num_ctas`` must not change the result (ignored here)."""
+    for g, r0, r1 in _used_group_tiles(tile_group, meta, bm):
+        xs = (x[r0:r1] if gathered else x[row_src[r0:r1].long()]).float()
+        z = xs @ w1[g].float().t()
+        if cfg.bias:
+            z = z + b1[g].float()
+        gate, up = _split_gate_up(z, cfg.gate_up_layout)
+        h[r0:r1] = _activation(gate, up, cfg).to(h.dtype)
+
+
+def ref_gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas, *, cfg: LayerConfig, bm: int) -> None:
+    """ys[r] = row_w[r] * (W2[g] h[r] + b2[g]) for the used rows (fp32 math, bf16 store; padding rows -> 0)."""
+    for g, r0, r1 in _used_group_tiles(tile_group, meta, bm):
+        o = h[r0:r1].float() @ w2[g].float().t()
+        if cfg.bias:
+            o = o + b2[g].float()
+        ys[r0:r1] = (o * row_w[r0:r1].float().unsqueeze(1)).to(ys.dtype)
+
+
+def ref_combine(ys, slot_pos, y) -> None:
+    """y[t] = sum_j ys[slot_pos[t, j]] over j = 0..K+S-1 in that order, fp32 accumulation, slots < 0 skipped."""
+    T, J = slot_pos.shape
+    acc = torch.zeros(T, ys.shape[1], dtype=torch.float32, device=ys.device)
+    for j in range(J):
+        p = slot_pos[:, j].long()
+        v = ys[p.clamp(min=0)].float()
+        acc += torch.where((p >= 0).unsqueeze(1), v, torch.zeros_like(v))
+    y.copy_(acc.to(y.dtype))
+
+
+def reference_kernels(spec_or_cfg, bm: int, gather: bool = False) -> dict[str, Callable[..., None]]:
+    """{kernel name: callable} with the device kernels' exact argument lists (docs/contract.md), the plan's
+    constants bound. A stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant
+    with a ``gather`` kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x)."""
+    cfg = layer_config(spec_or_cfg)
+
+    def routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos):
+        ref_routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos,
+                    local_experts=cfg.local_experts, shared_experts=cfg.shared_experts, bm=bm)
+
+    def gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas):
+        ref_gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas, cfg=cfg, bm=bm, gathered=gather)
+
+    def gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas):
+        ref_gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas, cfg=cfg, bm=bm)
+
+    def combine(ys, slot_pos, y):
+        ref_combine(ys, slot_pos, y)
+
+    fns = {"routing": routing, "gemm1": gemm1, "gemm2": gemm2, "combine": combine}
+    if gather:
+        def gather_(x, row_src, meta, xg):
+            ref_gather(x, row_src, meta, xg, bm=bm)
+
+        fns["gather"] = gather_
+    return fns

@@ -1,0 +1,568 @@
+"""mokgen.ops on a CPU: workspace sizing, input validation, the launch sequence (with the reference kernels of
+mokgen.reference standing in for libmokgen.so), routing errors, the custom op, autograd and the nn.Module."""
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if importlib.util.find_spec("mokgen") is None:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mokgen import ops  # noqa: E402
+from mokgen import reference as ref  # noqa: E402
+from mokgen.ops import CompiledMoE, MoEInputError, RoutingError, Workspace, cap_rows  # noqa: E402
+from mokgen.reference import LayerConfig, rel_err  # noqa: E402
+
+BM = 16
+
+
+def small(activation="swiglu", limit=None, layout="concat", bias=False, shared=1, H=32, I=16, E=6, K=3, T=37,
+          ep=1):
+    return LayerConfig(hidden=H, ffn=I, experts=E * ep, ep=ep, topk=K, tokens=T, shared_experts=shared,
+                       activation=activation, swiglu_limit=limit, gate_up_layout=layout, bias=bias)
+
+
+class Recorder:
+    """Wraps kernel callables and records (name, args) of every launch."""
+
+    def __init__(self, fns):
+        self.calls = []
+        self.fns = {n: self._wrap(n, f) for n, f in fns.items()}
+
+    def _wrap(self, name, f):
+        def call(*args):
+            self.calls.append((name, args))
+            return f(*args)
+
+        return call
+
+    @property
+    def names(self):
+        return [n for n, _ in self.calls]
+
+
+def emulated(cfg, plan=BM, gather=False, **kw):
+    rec = Recorder(ref.reference_kernels(cfg, BM, gather=gather))
+    return CompiledMoE(cfg, plan, functions=rec.fns, allow_cpu=True, **kw), rec
+
+
+def inputs(cfg, T=None, seed=0, routing="random"):
+    return ref.random_inputs(cfg, tokens=T, seed=seed, routing=routing)
+
+
+# ---- workspace -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 128, 1000, 2048, 4096])
+@pytest.mark.parametrize("K,S,G,bm", [(8, 1, 7, 128), (4, 0, 128, 128), (10, 1, 9, 64), (3, 2, 8, 16)])
+def test_cap_rows_formula(T, K, S, G, bm):
+    raw = T * K + S * T + G * (bm - 1)
+    want = -(-raw // bm) * bm
+    assert cap_rows(T, K, S, G, bm) == want
+    assert want % bm == 0 and want >= raw
+
+
+def test_cap_rows_is_a_worst_case_bound():
+    """No routing can need more padded rows than cap_rows (each group wastes at most bm-1)."""
+    cfg = small(E=5, K=3, shared=2)
+    for routing in ref.ROUTING_MODES:
+        for T in (1, 5, 33):
+            _, idx, *_ = inputs(cfg, T=T, routing=routing)
+            counts = torch.bincount(idx.reshape(-1).long(), minlength=5).tolist() + [T] * 2
+            used = sum(-(-c // BM) * BM for c in counts)
+            assert used <= cap_rows(T, 3, 2, 7, BM)
+
+
+@pytest.mark.parametrize("T", [1, 100, 1000, 4096])
+def test_workspace_layout_matches_contract(T):
+    cfg = small(shared=2, E=6, K=3)
+    lay = Workspace.layout(cfg, BM, T)
+    cap = cap_rows(T, 3, 2, 8, BM)
+    assert lay == {
+        "row_src": ((cap,), torch.int32),
+        "row_w": ((cap,), torch.float32),
+        "tile_group": ((cap // BM,), torch.int32),
+        "meta": ((4,), torch.int32),
+        "slot_pos": ((T, 5), torch.int32),
+        "h": ((cap, 16), torch.bfloat16),
+        "ys": ((cap, 32), torch.bfloat16),
+        "dummy_bias": ((1, 1), torch.float32),
+    }
+    ws = Workspace.allocate(cfg, BM, T, "cpu")
+    assert (ws.tokens, ws.bm, ws.cap_rows, ws.max_m_tiles) == (T, BM, cap, cap // BM)
+    for name, (shape, dtype) in lay.items():
+        t = getattr(ws, name)
+        assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous(), name
+    assert bool((ws.tile_group == -1).all()) and bool((ws.slot_pos == -1).all())
+    assert bool((ws.meta == 0).all()) and bool((ws.row_src == 0).all()) and bool((ws.row_w == 0).all())
+    assert ws.xg is None
+    assert ws.nbytes == sum(getattr(ws, n).numel() * getattr(ws, n).element_size() for n in lay)
+
+
+def test_workspace_with_gather_kernel_plan():
+    cfg = small()
+    plan = SimpleNamespace(bm=BM, gemm1=SimpleNamespace(a_load="tma"))
+    assert ops.kernels_of(plan) == ("routing", "gather", "gemm1", "gemm2", "combine")
+    assert ops.kernels_of(BM) == ops.KERNELS
+    lay = Workspace.layout(cfg, plan, 10)
+    assert lay["xg"] == ((cap_rows(10, 3, 1, 7, BM), 32), torch.bfloat16)
+    assert Workspace.allocate(cfg, plan, 10, "cpu").xg.shape == lay["xg"][0]
+
+
+def test_workspace_matches_plan_for_presets():
+    spec_mod = pytest.importorskip("mokgen.spec")
+    plan_mod = pytest.importorskip("mokgen.plan")
+    for spec in spec_mod.list_presets():
+        plan = plan_mod.solve(spec, "sm_90a")
+        for T in (1, 1000, spec.tokens):
+            lay = Workspace.layout(spec, plan, T)
+            assert lay["row_src"][0] == (plan_mod.cap_rows(spec, plan.bm, T),)
+            assert lay["slot_pos"][0] == (T, spec.topk + spec.shared_experts)
+            assert lay["h"][0][1] == spec.ffn and lay["ys"][0][1] == spec.hidden
+        lay = Workspace.layout(spec, plan, spec.tokens)
+        assert lay["row_src"][0] == (plan.cap_rows,) and lay["tile_group"][0] == (plan.max_m_tiles,)
+
+
+def test_workspaces_cached_per_device_and_T():
+    moe, _ = emulated(small())
+    a = moe.workspace("cpu", 10)
+    assert moe.workspace("cpu", 10) is a
+    assert moe.workspace("cpu", 11) is not a
+    moe.clear_workspaces()
+    assert moe.workspace("cpu", 10) is not a
+
+
+# ---- validation ----------------------------------------------------------------------------------------------
+
+
+def good_args(cfg, T=9, device="cpu"):
+    x, idx, w, w1, w2, b1, b2 = inputs(cfg, T=T)
+    args = dict(x=x, topk_idx=idx, topk_weight=w, w1=w1, w2=w2, b1=b1, b2=b2)
+    return {k: (v.to(device) if v is not None else None) for k, v in args.items()}
+
+
+def call(moe, a, **kw):
+    return moe(a["x"], a["topk_idx"], a["topk_weight"], a["w1"], a["w2"], a["b1"], a["b2"], **kw)
+
+
+BAD = [
+    ("x", lambda a: a["x"][:, :16].contiguous(), r"x must be \[9, 32\] bfloat16"),
+    ("x", lambda a: a["x"].float(), r"x must be \[9, 32\] bfloat16 .*got \[9, 32\] float32"),
+    ("x", lambda a: a["x"][0], r"x must be \[T, H=32\] bfloat16, got \[32\]"),
+    ("topk_idx", lambda a: a["topk_idx"][:, :2].contiguous(), r"topk_idx must be \[9, 3\] int32 or int64"),
+    ("topk_idx", lambda a: a["topk_idx"][:5].contiguous(), r"topk_idx must be \[9, 3\]"),
+    ("topk_idx", lambda a: a["topk_idx"].float(), r"topk_idx must be .*got \[9, 3\] float32"),
+    ("topk_weight", lambda a: a["topk_weight"].bfloat16(), r"topk_weight must be \[9, 3\] float32"),
+    ("w1", lambda a: a["w1"][:6].contiguous(), r"w1 must be \[7, 32, 32\] bfloat16 \(\[G, 2I, H\]"),
+    ("w1", lambda a: a["w1"].float(), r"w1 must be \[7, 32, 32\] bfloat16"),
+    ("w2", lambda a: a["w2"].transpose(1, 2).contiguous(), r"w2 must be \[7, 32, 16\] bfloat16"),
+    ("x", lambda a: a["x"].t().contiguous().t(), r"x must be contiguous"),
+    ("w1", lambda a: a["w1"].transpose(1, 2).contiguous().transpose(1, 2), r"w1 must be contiguous"),
+    ("b1", lambda a: torch.zeros(7, 32), r"bias=false: b1 must be None"),
+]
+
+
+@pytest.mark.parametrize("name,make,msg", BAD)
+def test_validation_errors(name, make, msg):
+    cfg = small()
+    moe, rec = emulated(cfg)
+    a = good_args(cfg)
+    a[name] = make(a)
+    with pytest.raises(MoEInputError, match=msg):
+        call(moe, a)
+    assert rec.calls == [], "nothing may be launched before validation passes"
+
+
+def test_validation_bias():
+    cfg = small(bias=True)
+    moe, rec = emulated(cfg)
+    a = good_args(cfg)
+    with pytest.raises(MoEInputError, match="bias=true: b2 is required"):
+        call(moe, dict(a, b2=None))
+    with pytest.raises(MoEInputError, match=r"b1 must be \[7, 32\] float32"):
+        call(moe, dict(a, b1=a["b1"].bfloat16()))
+    with pytest.raises(MoEInputError, match=r"b2 must be \[7, 32\] float32"):
+        call(moe, dict(a, b2=a["b2"][:, :8].contiguous()))
+    with pytest.raises(MoEInputError, match="must be a torch.Tensor"):
+        call(moe, dict(a, b1=[0.0]))
+    assert rec.calls == []
+
+
+def test_validation_out_and_num_ctas():
+    cfg = small()
+    moe, rec = emulated(cfg)
+    a = good_args(cfg)
+    with pytest.raises(MoEInputError, match=r"out must be \[9, 32\] bfloat16"):
+        call(moe, a, out=torch.empty(9, 32))
+    with pytest.raises(MoEInputError, match="out must be contiguous"):
+        call(moe, a, out=torch.empty(32, 9, dtype=torch.bfloat16).t())
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(MoEInputError, match="num_ctas must be a positive int"):
+            call(moe, a, num_ctas=bad)
+    assert rec.calls == []
+
+
+def test_validation_device():
+    cfg = small()
+    moe, rec = emulated(cfg)
+    strict = CompiledMoE(cfg, BM, functions=rec.fns)          # allow_cpu=False: the production setting
+    a = good_args(cfg)
+    with pytest.raises(MoEInputError, match="inputs must be CUDA tensors, got cpu"):
+        call(strict, a)
+    mixed = dict(a, w2=a["w2"].to("meta"))
+    with pytest.raises(MoEInputError, match="all inputs must be on one device: x is on cpu, w2 on meta"):
+        call(moe, mixed)
+    assert rec.calls == []
+
+
+def test_validation_preset_shapes_on_meta_tensors():
+    """Shape checks at real preset sizes, without allocating anything (meta tensors)."""
+    spec_mod = pytest.importorskip("mokgen.spec")
+    spec = spec_mod.load_spec("kimi-k2")
+    rec = Recorder(ref.reference_kernels(spec, 128))
+    moe = CompiledMoE(spec, 128, functions=rec.fns, arch="sm_90a")
+    m = dict(device="meta")
+    T, H, I, G, K = 2048, spec.hidden, spec.ffn, spec.groups, spec.topk
+    a = dict(x=torch.empty(T, H, dtype=torch.bfloat16, **m), topk_idx=torch.empty(T, K, dtype=torch.int32, **m),
+             topk_weight=torch.empty(T, K, **m), w1=torch.empty(G, 2 * I, H, dtype=torch.bfloat16, **m),
+             w2=torch.empty(G, H, I, dtype=torch.bfloat16, **m), b1=None, b2=None)
+    with pytest.raises(MoEInputError, match="inputs must be CUDA tensors, got meta"):
+        call(moe, a)                                       # every shape passed
+    with pytest.raises(MoEInputError, match=r"mokgen kimi-k2: w1 must be \[7, 4096, 7168\] bfloat16"):
+        call(moe, dict(a, w1=torch.empty(G + 1, 2 * I, H, dtype=torch.bfloat16, **m)))
+    with pytest.raises(MoEInputError, match=r"topk_idx must be \[2048, 8\]"):
+        call(moe, dict(a, topk_idx=torch.empty(T, 6, dtype=torch.int32, **m)))
+
+
+def test_arch_mismatch(monkeypatch):
+    cfg = small()
+    monkeypatch.setattr(ops, "_device_arch", lambda device: "sm_90")
+    moe, rec = emulated(cfg, arch="sm_100a")
+    with pytest.raises(ops.ArchMismatchError, match=r"built for sm_100a but cpu is sm_90.*arch='sm_90a'"):
+        call(moe, good_args(cfg))
+    assert rec.calls == []
+    ok, _ = emulated(cfg, arch="sm_90a")
+    call(ok, good_args(cfg))                                # sm_90a runs on sm_90
+
+
+def test_arch_read_from_entry_meta(tmp_path):
+    (tmp_path / "meta.json").write_text('{"arch": "sm_100a", "key": "ab"}')
+    moe = CompiledMoE(small(), BM, tmp_path, functions=ref.reference_kernels(small(), BM), allow_cpu=True)
+    assert moe.arch == "sm_100a"
+
+
+# ---- the launch sequence -------------------------------------------------------------------------------------
+
+
+def test_call_order_and_arguments():
+    cfg = small(shared=1)
+    moe, rec = emulated(cfg)
+    a = good_args(cfg, T=20)
+    y = call(moe, a, num_ctas=66)
+    assert rec.names == ["routing", "gemm1", "gemm2", "combine"]
+    ws = moe.workspace("cpu", 20)
+    args = dict(rec.calls)
+    want = {
+        "routing": (a["topk_idx"], a["topk_weight"], ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos),
+        "gemm1": (a["x"], a["w1"], ws.dummy_bias, ws.row_src, ws.tile_group, ws.meta, ws.h, 66),
+        "gemm2": (ws.h, a["w2"], ws.dummy_bias, ws.row_w, ws.tile_group, ws.meta, ws.ys, 66),
+        "combine": (ws.ys, ws.slot_pos, y),
+    }
+    for name, expected in want.items():
+        got = args[name]
+        assert len(got) == len(expected), name
+        for g, e in zip(got, expected):
+            assert g is e if isinstance(e, torch.Tensor) else g == e, name
+    assert ws.dummy_bias.shape == (1, 1) and ws.dummy_bias.dtype == torch.float32
+    rec.calls.clear()
+    call(moe, a)
+    assert dict(rec.calls)["gemm1"][-1] == 1               # default num_ctas: the SM count (1 on a CPU)
+
+
+def test_call_order_with_gather_kernel():
+    cfg = small(bias=True)
+    plan = SimpleNamespace(bm=BM, gemm1=SimpleNamespace(a_load="tma"))
+    moe, rec = emulated(cfg, plan=plan, gather=True)
+    a = good_args(cfg, T=20)
+    y = call(moe, a)
+    assert rec.names == ["routing", "gather", "gemm1", "gemm2", "combine"]
+    ws = moe.workspace("cpu", 20)
+    args = dict(rec.calls)
+    assert args["gather"][0] is a["x"] and args["gather"][3] is ws.xg
+    assert args["gemm1"][0] is ws.xg and args["gemm1"][2] is a["b1"] and args["gemm2"][2] is a["b2"]
+    y_ref = ref.forward(*[a[k] for k in ("x", "topk_idx", "topk_weight", "w1", "w2")], cfg, a["b1"], a["b2"])
+    assert rel_err(y.float(), y_ref) < 1e-2
+
+
+CFGS = [small(), small(bias=True, shared=0), small("swiglu", 0.5, "interleaved", shared=2),
+        small("swiglu_oai", None, "interleaved", bias=True), small(E=2, K=4, ep=1, shared=1)]
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: f"{c.activation}-{c.limit}-{c.gate_up_layout}-b{int(c.bias)}"
+                                                  f"-S{c.shared_experts}-E{c.local_experts}-K{c.topk}")
+@pytest.mark.parametrize("routing", ref.ROUTING_MODES)
+def test_emulated_forward_matches_reference(cfg, routing):
+    moe, _ = emulated(cfg)
+    for T in (1, 37, 100):
+        x, idx, w, w1, w2, b1, b2 = inputs(cfg, T=T, seed=T, routing=routing)
+        out = torch.full((T, cfg.hidden), float("nan"), dtype=torch.bfloat16)
+        y = moe(x, idx, w, w1, w2, b1, b2, out=out)
+        assert y is out and not bool(y.isnan().any())
+        y_ref = ref.forward(x, idx, w, w1, w2, cfg, b1, b2)
+        assert rel_err(y.float(), y_ref) < 1e-2
+        y2 = moe(x, idx, w, w1, w2, b1, b2, num_ctas=132)
+        assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+
+
+def test_zero_tokens_launch_nothing():
+    cfg = small()
+    moe, rec = emulated(cfg)
+    a = good_args(cfg, T=0)
+    y = call(moe, a)
+    assert y.shape == (0, 32) and y.dtype == torch.bfloat16 and rec.calls == []
+
+
+def test_int64_topk_idx_is_converted_with_one_warning():
+    cfg = small()
+    moe, rec = emulated(cfg)
+    a = good_args(cfg)
+    y32 = call(moe, a)
+    a64 = dict(a, topk_idx=a["topk_idx"].long())
+    with pytest.warns(UserWarning, match="topk_idx is int64; converting to int32"):
+        y64 = call(moe, a64)
+    assert torch.equal(y32, y64)
+    assert dict(rec.calls)["routing"][0].dtype == torch.int32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(moe, a64)                                      # warned once only
+
+
+# ---- routing errors ------------------------------------------------------------------------------------------
+
+
+def test_routing_error_with_check():
+    cfg = small()
+    moe, _ = emulated(cfg)
+    a = good_args(cfg)
+    bad = a["topk_idx"].clone()
+    bad[2, 1] = 6
+    bad[4, 0] = -3
+    with pytest.raises(RoutingError, match=r"2 topk_idx value\(s\) outside \[0, 6\), e.g. topk_idx\[2, 1\] = 6"):
+        call(moe, dict(a, topk_idx=bad), check=True)
+    moe.check_errors()                                      # reported by check=True: nothing pending
+    call(moe, a, check=True)                                # clean call passes
+
+
+def test_routing_error_flag_is_sticky_until_checked():
+    cfg = small()
+    moe, _ = emulated(cfg)
+    a = good_args(cfg)
+    bad = a["topk_idx"].clone()
+    bad[0, 0] = 99
+    y_bad = call(moe, dict(a, topk_idx=bad))               # no sync, no raise
+    w0 = a["topk_weight"].clone()
+    w0[0, 0] = 0
+    y_ref = ref.forward(a["x"], bad, a["topk_weight"], a["w1"], a["w2"], cfg)
+    assert rel_err(y_bad.float(), y_ref) < 1e-2            # the bad slot was dropped
+    call(moe, a)                                            # a clean call does not clear it
+    call(moe, good_args(cfg, T=5))                          # nor one of another T
+    with pytest.raises(RoutingError, match=r"T = \[9\].*outside \[0, 6\)"):
+        moe.check_errors()
+    moe.check_errors()                                      # cleared by the check
+    # an unchecked error found by a later check=True call is kept for check_errors()
+    call(moe, dict(a, topk_idx=bad))
+    call(moe, a, check=True)                                # this call is clean: no raise
+    with pytest.raises(RoutingError):
+        moe.check_errors()
+    moe.check_errors()
+
+
+# ---- torch.library op, fake impl, autograd -------------------------------------------------------------------
+
+
+def op_args(cfg, moe, T=9, requires_grad=False):
+    x, idx, w, w1, w2, b1, b2 = inputs(cfg, T=T)
+    leaves = [x, w, w1, w2, b1, b2]
+    if requires_grad:
+        for t in leaves:
+            if t is not None:
+                t.requires_grad_(True)
+    return (x, idx, w, w1, w2, b1, b2, moe.registry_id)
+
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = small(bias=True)
+    moe, rec = emulated(cfg)
+    args = op_args(cfg, moe, T=13)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        y = torch.ops.mokgen.moe_forward(*fargs)
+        assert y.shape == (13, 32) and y.dtype == torch.bfloat16
+        dy = torch.empty(13, 32, dtype=torch.bfloat16)
+        g = torch.ops.mokgen.moe_backward(dy, *fargs)
+        assert [tuple(t.shape) for t in g] == [(13, 32), (13, 3), (7, 32, 32), (7, 32, 16), (7, 32), (7, 32)]
+    assert rec.calls == []
+    # meta tensors go through the fake impl too
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    assert torch.ops.mokgen.moe_forward(*meta).shape == (13, 32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck(bias):
+    cfg = small(bias=bias, T=12)
+    moe, _ = emulated(cfg)
+    args = op_args(cfg, moe, T=12, requires_grad=True)
+    torch.library.opcheck(torch.ops.mokgen.moe_forward.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("cfg", [small(), small("swiglu_oai", None, "interleaved", bias=True, shared=0)],
+                         ids=["swiglu", "oai-bias"])
+def test_autograd_matches_reference_backward(cfg):
+    moe, _ = emulated(cfg)
+    x, idx, w, w1, w2, b1, b2, mid = op_args(cfg, moe, T=21, requires_grad=True)
+    y = ops.moe_forward(x, idx, w, w1, w2, b1, b2, moe=moe)
+    dy = torch.randn(21, cfg.hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y.backward(dy)
+    g = ref.backward(dy, x.detach(), idx, w.detach(), w1.detach(), w2.detach(), cfg,
+                     None if b1 is None else b1.detach(), None if b2 is None else b2.detach())
+    pairs = [(x, g.x), (w, g.topk_weight), (w1, g.w1), (w2, g.w2)] + ([(b1, g.b1), (b2, g.b2)] if cfg.bias else [])
+    for leaf, want in pairs:
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
+        assert rel_err(leaf.grad, want) < 2e-2
+
+
+def test_torch_compile_graph_with_op():
+    cfg = small(T=16)
+    moe, _ = emulated(cfg)
+    x, idx, w, w1, w2, b1, b2, mid = op_args(cfg, moe, T=16)
+
+    def f(x, idx, w, w1, w2):
+        return torch.ops.mokgen.moe_forward(x, idx, w, w1, w2, None, None, mid) * 2
+
+    try:
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        y = compiled(x, idx, w, w1, w2)
+    except Exception as exc:  # pragma: no cover - depends on the local torch build
+        pytest.skip(f"torch.compile unavailable here: {type(exc).__name__}: {exc}")
+    assert torch.equal(y, f(x, idx, w, w1, w2))
+
+
+def test_registry_lookup_error():
+    cfg = small()
+    moe, _ = emulated(cfg)
+    args = op_args(cfg, moe)
+    moe.close()
+    with pytest.raises(RuntimeError, match="no CompiledMoE with registry id"):
+        torch.ops.mokgen.moe_forward(*args)
+
+
+# ---- nn.Module -----------------------------------------------------------------------------------------------
+
+
+def tiny_spec(**kw):
+    spec_mod = pytest.importorskip("mokgen.spec")
+    d = dict(name="tiny", hidden=64, ffn=64, experts=4, topk=2, shared_experts=1, ep=1, tokens=16,
+             archs=["sm_90a"])
+    d.update(kw)
+    return spec_mod.load_spec(d)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_module(bias):
+    kw = dict(activation="swiglu_oai", gate_up_layout="interleaved", bias=True, shared_experts=0) if bias else {}
+    spec = tiny_spec(**kw)
+    moe, rec = emulated(spec)
+    torch.manual_seed(0)
+    layer = ops.MoE(spec, compiled=moe)
+    G = spec.groups
+    assert layer.w1.shape == (G, 128, 64) and layer.w2.shape == (G, 64, 64)
+    assert layer.w1.dtype == layer.w2.dtype == torch.bfloat16
+    assert (layer.b1 is not None) == bias
+    names = {n for n, _ in layer.named_parameters()}
+    assert names == ({"w1", "w2", "b1", "b2"} if bias else {"w1", "w2"})
+    assert abs(float(layer.w1.detach().float().std()) * 8 - 1) < 0.1      # N(0, 1/H), H = 64
+    x, idx, w, *_ = ref.random_inputs(spec, tokens=16, seed=3)
+    x.requires_grad_(True)
+    y = layer(x, idx, w)
+    assert y.shape == (16, 64) and y.dtype == torch.bfloat16
+    y_ref = ref.forward(x.detach(), idx, w, layer.w1.detach(), layer.w2.detach(), spec,
+                        None if not bias else layer.b1.detach(), None if not bias else layer.b2.detach())
+    assert rel_err(y.float(), y_ref) < 1e-2
+    y.float().square().sum().backward()
+    assert layer.w1.grad is not None and x.grad is not None and layer.w1.grad.shape == layer.w1.shape
+    assert "tiny" in repr(layer)
+    layer.check_errors()
+
+
+def test_module_rejects_other_dtypes_and_meta_init():
+    spec = tiny_spec()
+    with pytest.raises(ValueError, match="only bfloat16"):
+        ops.MoE(spec, dtype=torch.float32, compiled=emulated(spec)[0])
+    layer = ops.MoE(spec, device="meta", compiled=emulated(spec)[0])
+    assert layer.w1.device.type == "meta"
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
+
+
+def test_load_library_errors(tmp_path, monkeypatch):
+    with pytest.raises(ops.LoadError, match="not a built mokgen cache entry"):
+        ops.load_library(tmp_path)
+    monkeypatch.setenv("MOKGEN_RUNTIME_LIB", str(tmp_path / "nope.so"))
+    with pytest.raises(ops.LoadError, match="MOKGEN_RUNTIME_LIB=.*is not a file"):
+        ops.find_runtime_library(tmp_path)
+    lib = tmp_path / "libcute_dsl_runtime.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("MOKGEN_RUNTIME_LIB", str(lib))
+    assert ops.find_runtime_library(None) == str(lib)
+
+
+def test_runtime_search_packed_copy(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOKGEN_RUNTIME_LIB", raising=False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(ops.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cutlass" else real_find_spec(name, *a))
+    entry = tmp_path / "sm_90a" / "0123456789abcdef"
+    entry.mkdir(parents=True)
+    with pytest.raises(ops.LoadError, match="the CuTe DSL is not installed.*mokgen\\[compiler\\]"):
+        ops.find_runtime_library(entry)
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "libcute_dsl_runtime.so").write_bytes(b"")
+    assert ops.find_runtime_library(entry) == str(tmp_path / "runtime" / "libcute_dsl_runtime.so")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL not installed")
+def test_runtime_search_finds_the_dsl_copy(monkeypatch):
+    monkeypatch.delenv("MOKGEN_RUNTIME_LIB", raising=False)
+    p = ops.find_runtime_library(None)
+    assert Path(p).name == "libcute_dsl_runtime.so" and Path(p).is_file()
+
+
+def test_compile_without_compiler_or_cache(mokgen_cache, monkeypatch):
+    pytest.importorskip("mokgen.emit")
+    pytest.importorskip("mokgen.cache")
+    monkeypatch.setattr(ops, "_dsl_available", lambda: False)
+    import mokgen
+
+    with pytest.raises(RuntimeError, match=r"no cached kernels for 'qwen3-30b-a3b' on sm_90a.*mokgen\[compiler\]"):
+        mokgen.compile("qwen3-30b-a3b", arch="sm_90a")
+
+
+def test_import_mokgen_is_light():
+    import subprocess
+
+    code = ("import sys, mokgen; assert 'torch' not in sys.modules, 'torch'; assert 'cutlass' not in sys.modules;"
+            "print(mokgen.__version__)")
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
