@@ -373,7 +373,6 @@ class _Progress:
                 return
             except Exception:
                 self.bar = None
-        print(f"mokgen: {title}", file=sys.stderr, flush=True)
 
     def line(self, line: str) -> None:
         if not self.enabled:
@@ -438,8 +437,10 @@ def run_ninja(out_dir: Path, jobs: int | None, progress: bool, kernels: Mapping[
     work = [l for l in dry.stdout.splitlines() if _STATUS_RE.match(l)]
     if dry.returncode == 0 and not work:
         return []
-    title = f"building {len(kernels)} kernel(s) for {arch} in {out_dir}" + (f" (-j {jobs})" if jobs else "")
-    prog = _Progress(progress, max(len(work), 1), title)
+    if progress:
+        print(f"mokgen: building {len(kernels)} kernel(s) for {arch} in {out_dir}" + (f" (-j {jobs})" if jobs else ""),
+              file=sys.stderr, flush=True)
+    prog = _Progress(progress, max(len(work), 1), f"compiling for {arch}")
     lines: list[str] = []
     ok = False
     try:

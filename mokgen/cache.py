@@ -602,18 +602,18 @@ def runtime_library() -> Path | None:
 
 
 def _dsl_runtime_for_pack() -> Path:
+    p = runtime_library()
+    if p is not None:
+        return p
     try:
         from .build import runtime_libraries
 
-        for p in runtime_libraries():
-            if Path(p).name == RUNTIME_LIB:
-                return Path(p)
+        for q in runtime_libraries():
+            if Path(q).name == RUNTIME_LIB:
+                return Path(q)
     except Exception:
         pass
-    p = runtime_library()
-    if p is None:
-        raise CacheError(f"cannot find {RUNTIME_LIB} (is nvidia-cutlass-dsl installed?)")
-    return p
+    raise CacheError(f"cannot find {RUNTIME_LIB} (is nvidia-cutlass-dsl installed? or set MOKGEN_RUNTIME_LIB)")
 
 
 def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
@@ -636,7 +636,8 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
     }
     tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
     try:
-        with tarfile.open(tmp, "w:xz") as tf:
+        # preset 1: 5 s for the 43 MB runtime instead of 30 s at the default, for 2 MB more
+        with tarfile.open(tmp, "w:xz", preset=1) as tf:
             data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
             info = tarfile.TarInfo("MANIFEST.json")
             info.size = len(data)
