@@ -262,3 +262,24 @@ def test_compile_one_reports_missing_compile(tmp_path: Path) -> None:
     r = subprocess.run([os.sys.executable, "-m", "mokgen.build", "compile-one", str(src), str(tmp_path / "k.o"),
                         "--arch", "sm_90a", "--name", "k"], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "defines no compile(arch)" in r.stderr
+
+
+def test_cli_specs_plan_emit(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from mokgen.cli import main
+
+    assert main(["specs"]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0].split()
+    assert head[:4] == ["name", "H", "I", "experts"] and "kimi-k2" in out
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["arch"] == "sm_90a"
+    assert main(["plan", "no-such-preset", "--arch", "sm_90a"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mokgen: error: ") and len(err.strip().splitlines()) == 1
+    assert main(["emit", "kimi-k2", "--arch", "sm_90a", "--out", str(tmp_path / "src")]) == 0
+    written = sorted(p.name for p in (tmp_path / "src").iterdir())
+    assert "gemm1.py" in written and set(build.kernel_files(
+        {n: (tmp_path / "src" / n).read_text() for n in written})) >= {"routing", "gemm1", "gemm2", "combine"}
