@@ -1,0 +1,187 @@
+"""Kernel-by-kernel check and timing of built mokgen artifacts on a GPU (the kernel author's tool).
+
+    python tools/kernel_check.py BUILD_DIR:SPEC [BUILD_DIR:SPEC ...] [--tokens N] [--json OUT.json]
+
+For each built ``libmokgen.so`` (``mokgen compile`` output or a cache entry) and its spec: fresh random inputs,
+poisoned workspaces, each kernel's output checked against its torch reference (``mokgen.reference.ref_*``):
+routing bit-exact, GEMM 1 / GEMM 2 / combine by relative error, the end-to-end output against the float32
+reference layer; determinism (two runs, and 66 vs all SMs, compared bit for bit); per-kernel timings (CUDA
+events, medians). Prints a table; ``--json`` writes the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mokgen import reference as ref  # noqa: E402
+from mokgen.plan import solve  # noqa: E402
+from mokgen.spec import load_spec  # noqa: E402
+
+
+def load_lib(build_dir: Path):
+    from mokgen.ops import load_library
+
+    return load_library(build_dir)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    return times[len(times) // 2]
+
+
+def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "random", time_it: bool = True):
+    import tvm_ffi
+
+    spec = load_spec(spec_name)
+    plan = solve(spec, "sm_90a")
+    log(f"{spec_name}: loading {build_dir}")
+    fn = load_lib(build_dir)
+    log(f"{spec_name}: loaded")
+    T = tokens or spec.tokens
+    dev = torch.device("cuda")
+    inp = ref.random_inputs(spec, tokens=T, device=dev, seed=int(time.time()) % 10000, routing=routing)
+    bm = plan.bm
+    cap = -(-(T * spec.topk + spec.shared_experts * T + spec.groups * (bm - 1)) // bm) * bm
+    tiles = cap // bm
+    H, I, K, S = spec.hidden, spec.ffn, spec.topk, spec.shared_experts
+    b1 = inp.b1 if inp.b1 is not None else torch.zeros(1, 1, device=dev)
+    b2 = inp.b2 if inp.b2 is not None else torch.zeros(1, 1, device=dev)
+
+    def ws():
+        return dict(
+            row_src=torch.full((cap,), -7, dtype=torch.int32, device=dev),
+            row_w=torch.full((cap,), float("nan"), dtype=torch.float32, device=dev),
+            tile_group=torch.full((tiles,), -7, dtype=torch.int32, device=dev),
+            meta=torch.zeros(4, dtype=torch.int32, device=dev),
+            slot_pos=torch.full((T, K + S), -7, dtype=torch.int32, device=dev),
+            h=torch.full((cap, I), float("nan"), dtype=torch.bfloat16, device=dev),
+            ys=torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=dev),
+            y=torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+        )
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def run(w, num_ctas=sms):
+        with tvm_ffi.use_torch_stream():
+            fn["routing"](inp.topk_idx, inp.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"])
+            fn["gemm1"](inp.x, inp.w1, b1, w["row_src"], w["tile_group"], w["meta"], w["h"], num_ctas)
+            fn["gemm2"](w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], num_ctas)
+            fn["combine"](w["ys"], w["slot_pos"], w["y"])
+
+    out = {"spec": spec_name, "tokens": T, "routing": routing, "build": str(build_dir)}
+    w = ws()
+    # first run step by step, so a hang or fault names its kernel
+    t0 = time.time()
+    with tvm_ffi.use_torch_stream():
+        for name, call in (
+            ("routing", lambda: fn["routing"](inp.topk_idx, inp.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"])),
+            ("gemm1", lambda: fn["gemm1"](inp.x, inp.w1, b1, w["row_src"], w["tile_group"], w["meta"], w["h"], sms)),
+            ("gemm2", lambda: fn["gemm2"](w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], sms)),
+            ("combine", lambda: fn["combine"](w["ys"], w["slot_pos"], w["y"])),
+        ):
+            log(f"{spec_name}: {name} launch")
+            call()
+            torch.cuda.synchronize()
+            log(f"{spec_name}: {name} done ({time.time() - t0:.2f} s)")
+    # routing vs its reference (exact)
+    r = ws()
+    ref.ref_routing(inp.topk_idx, inp.topk_weight, r["row_src"], r["row_w"], r["tile_group"], r["meta"], r["slot_pos"],
+                    local_experts=spec.local_experts, shared_experts=S, bm=bm)
+    used = int(r["meta"][0]) * bm
+    out["routing_exact"] = bool(
+        int(w["meta"][0]) == int(r["meta"][0])
+        and torch.equal(w["row_src"][:used], r["row_src"][:used])
+        and torch.equal(w["row_w"][:used], r["row_w"][:used])
+        and torch.equal(w["tile_group"], r["tile_group"])
+        and torch.equal(w["slot_pos"], r["slot_pos"])
+    )
+    out["meta"] = w["meta"].tolist()
+    cfg = ref.layer_config(spec)
+    # GEMM 1 on the kernel's own routing
+    h_ref = torch.zeros_like(w["h"])
+    ref.ref_gemm1(inp.x, inp.w1, b1, w["row_src"], w["tile_group"], w["meta"], h_ref, sms, cfg=cfg, bm=bm)
+    out["gemm1_rel_err"] = ref.rel_err(w["h"][:used].float(), h_ref[:used].float())
+    out["gemm1_nan"] = bool(torch.isnan(w["h"][:used].float()).any())
+    ys_ref = torch.zeros_like(w["ys"])
+    ref.ref_gemm2(w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], ys_ref, sms, cfg=cfg, bm=bm)
+    out["gemm2_rel_err"] = ref.rel_err(w["ys"][:used].float(), ys_ref[:used].float())
+    out["gemm2_nan"] = bool(torch.isnan(w["ys"][:used].float()).any())
+    y_ref_c = torch.zeros_like(w["y"])
+    ref.ref_combine(w["ys"], w["slot_pos"], y_ref_c)
+    out["combine_rel_err"] = ref.rel_err(w["y"].float(), y_ref_c.float())
+    y_ref = ref.forward(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, spec, inp.b1, inp.b2, dtype=torch.float32)
+    out["y_rel_err"] = ref.rel_err(w["y"].float(), y_ref.float())
+    out["y_nan"] = bool(torch.isnan(w["y"].float()).any())
+    # determinism: again, and with half the CTAs
+    w2_ = ws()
+    run(w2_)
+    w3 = ws()
+    run(w3, num_ctas=max(1, sms // 2))
+    torch.cuda.synchronize()
+    out["bitwise_same_rerun"] = bool(torch.equal(w["y"].view(torch.int16), w2_["y"].view(torch.int16)))
+    out["bitwise_same_half_sms"] = bool(torch.equal(w["y"].view(torch.int16), w3["y"].view(torch.int16)))
+    if time_it:
+        t = {}
+        with tvm_ffi.use_torch_stream():
+            t["routing"] = median_ms(lambda: fn["routing"](inp.topk_idx, inp.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"]))
+            t["gemm1"] = median_ms(lambda: fn["gemm1"](inp.x, inp.w1, b1, w["row_src"], w["tile_group"], w["meta"], w["h"], sms))
+            t["gemm2"] = median_ms(lambda: fn["gemm2"](w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], sms))
+            t["combine"] = median_ms(lambda: fn["combine"](w["ys"], w["slot_pos"], w["y"]))
+        t["total"] = median_ms(lambda: run(w))
+        rows = T * (K + S)
+        f1 = 2 * rows * 2 * I * H
+        f2 = 2 * rows * I * H
+        out["ms"] = t
+        out["tflops_gemm1"] = f1 / (t["gemm1"] * 1e-3) / 1e12
+        out["tflops_gemm2"] = f2 / (t["gemm2"] * 1e-3) / 1e12
+        out["tflops_total"] = (f1 + f2) / (t["total"] * 1e-3) / 1e12
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("items", nargs="+", help="BUILD_DIR:SPEC")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--routing", default="random")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-time", action="store_true")
+    a = ap.parse_args(argv)
+    results = []
+    for item in a.items:
+        d, s = item.rsplit(":", 1)
+        try:
+            res = check(Path(d), s, a.tokens, a.routing, time_it=not a.no_time)
+        except Exception as e:  # report and go on with the next build
+            import traceback
+
+            traceback.print_exc()
+            res = {"spec": s, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
