@@ -64,7 +64,7 @@ BN_CHOICES = (64, 128, 192, 256)
 CONSUMER_WGS = 2
 WARPGROUP = 128  # threads
 MIN_STAGES, MAX_STAGES = 3, 7
-EPI_M, EPI_N, EPI_BUFFERS = 64, 32, 2  # epilogue sub-tile staged through shared memory, double-buffered
+EPI_M, EPI_N, EPI_BUFFERS = BM, 32, 2  # epilogue sub-tile (both warpgroups' rows) staged through smem, double-buffered
 BARRIER_BYTES = 1024
 ELEM_BYTES = 2  # bf16
 RASTER_MAX = 8
@@ -73,7 +73,14 @@ REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epil
 # Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
 # measurements: narrow tiles re-read A more often per flop and keep fewer wgmma in flight.
 MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
-OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group")
+# How GEMM1 gets its A rows: "tma" = a gather kernel writes the routed rows contiguously and GEMM1 loads them by
+# TMA; "gather" = GEMM1's producer warpgroup gathers them with cp.async (fused, no extra pass). Measured on the
+# H200 (bench/results/variants-h200.json, 2026-12-02): kimi-k2 GEMM1 1.70 ms fused vs 1.56 ms gather + TMA,
+# deepseek-v4-pro 1.87 vs 1.77: the fused cp.async producer keeps too few bytes in flight, so "tma" is the
+# default until the fused producer is faster; tune / the gemm1_a_load override can pick either.
+GEMM1_A_LOAD = "tma"
+A_LOADS = ("tma", "gather")
+OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load")
 RASTER_OVERRIDE_MAX = 64
 
 # ---- the rules, symbolically -------------------------------------------------------------------------------
@@ -242,7 +249,7 @@ def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
         stages=min(MAX_STAGES, _stages_fit(arch, bn)),
         consumer_wgs=CONSUMER_WGS, epi_m=EPI_M, epi_n=EPI_N,
         raster_group=_raster_group(arch, k, bn),
-        a_load="gather" if which == 1 else "tma",
+        a_load=GEMM1_A_LOAD if which == 1 else "tma",
         n_tiles=-(-n // bn), k_tiles=k // BK,
     )
 
@@ -298,17 +305,19 @@ def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
     return _GemmCost(flops, nbytes, tiles, row_eff, n_eff, wave_eff, mainloop_eff, compute_ms, memory_ms)
 
 
-def _glue_bytes(spec: Spec) -> int:
-    """Routing (indices/weights in; row_src, row_w, slot_pos out) and combine (ys rows in, y out)."""
+def _glue_bytes(spec: Spec, g1: GemmPlan) -> int:
+    """Routing (indices/weights in; row_src, row_w, slot_pos out), the row gather when GEMM1 loads A by TMA
+    (rows of x in, xg out) and combine (ys rows in, y out)."""
     slots = spec.tokens * (spec.topk + spec.shared_experts)
     routing = 8 * spec.routed_rows + 8 * _m_tiles(spec) * BM + 4 * slots
+    gather = 2 * ELEM_BYTES * spec.rows * spec.hidden if g1.a_load == "tma" else 0
     combine = 4 * slots + ELEM_BYTES * spec.rows * spec.hidden + ELEM_BYTES * spec.tokens * spec.hidden
-    return routing + combine
+    return routing + gather + combine
 
 
 def _costs(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan) -> tuple[_GemmCost, _GemmCost, float]:
     """(GEMM1 cost, GEMM2 cost, routing + combine ms)."""
-    return _gemm_cost(spec, arch, 1, g1), _gemm_cost(spec, arch, 2, g2), _glue_bytes(spec) / (arch.hbm_tbps * 1e9)
+    return _gemm_cost(spec, arch, 1, g1), _gemm_cost(spec, arch, 2, g2), _glue_bytes(spec, g1) / (arch.hbm_tbps * 1e9)
 
 
 def _rank_key(spec: Spec, arch: Arch, plan: Plan) -> tuple:
@@ -361,9 +370,9 @@ def _int_override(key: str, value: Any) -> int:
     return value
 
 
-def solve(spec: Spec, arch: str = "sm_90a", **overrides: int) -> Plan:
+def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     """The best plan for `spec` on `arch`. Overrides force a candidate (for tune): gemm1_bn, gemm2_bn,
-    gemm1_stages, gemm2_stages, raster_group (both GEMMs)."""
+    gemm1_stages, gemm2_stages, raster_group (both GEMMs), gemm1_a_load ("tma" | "gather")."""
     a = get_arch(arch)
     for key in overrides:
         if key not in OVERRIDES:
@@ -387,6 +396,11 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: int) -> Plan:
                 raise PlanError(
                     f"plan.{key}: must be in [{MIN_STAGES}, {most}] for bn {g.bn} on {a.name}, got {stages}")
             gemms[which] = dataclasses.replace(g, stages=stages)
+    if "gemm1_a_load" in overrides:
+        mode = overrides["gemm1_a_load"]
+        if mode not in A_LOADS:
+            raise PlanError(f"plan.gemm1_a_load: must be one of {', '.join(A_LOADS)}, got {mode!r}")
+        gemms[1] = dataclasses.replace(gemms[1], a_load=mode)
     if "raster_group" in overrides:
         r = _int_override("raster_group", overrides["raster_group"])
         if not 1 <= r <= RASTER_OVERRIDE_MAX:
