@@ -100,7 +100,11 @@ def _activation(spec: Any) -> tuple[str, float | None]:
     return "swiglu", (float(spec.swiglu_limit) if spec.swiglu_limit is not None else None)
 
 
-def _gemm_params(plan: Plan, which: int) -> dict[str, Any]:
+# Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
+EXPERIMENTS = ("gemm1_single_mma",)
+
+
+def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
     spec = plan.spec
     g = plan.gemm1 if which == 1 else plan.gemm2
     H, I, G = spec.hidden, spec.ffn, spec.groups
@@ -153,10 +157,14 @@ def _gemm_params(plan: Plan, which: int) -> dict[str, Any]:
         consumer_regs=consumer_regs,
         activation=activation,
         act_limit=act_limit,
+        single_mma=which == 1 and "gemm1_single_mma" in experimental,
     )
 
 
-def emit(plan: Plan) -> Sources:
+def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
+    unknown = sorted(set(experimental) - set(EXPERIMENTS))
+    if unknown:
+        raise EmitError(f"experimental: unknown {unknown}; known {list(EXPERIMENTS)}")
     if plan.arch != "sm_90a":
         raise EmitError(f"plan.arch: kernel templates exist for sm_90a only so far, got {plan.arch!r}")
     spec = plan.spec
@@ -175,7 +183,7 @@ def emit(plan: Plan) -> Sources:
     if plan.gemm1.a_load == "tma":
         render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128)
     render("sm90/grouped_gemm.py.j2", "gemm1",
-           f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))
+           f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1, experimental))
     render("sm90/grouped_gemm.py.j2", "gemm2",
            f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2))
     render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
