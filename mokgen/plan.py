@@ -73,12 +73,13 @@ REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epil
 # Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
 # measurements: narrow tiles re-read A more often per flop and keep fewer wgmma in flight.
 MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
-# How GEMM1 gets its A rows: "tma" = a gather kernel writes the routed rows contiguously and GEMM1 loads them by
-# TMA; "gather" = GEMM1's producer warpgroup gathers them with cp.async (fused, no extra pass). Measured on the
-# H200 (bench/results/variants-h200.json, 2026-12-02): kimi-k2 GEMM1 1.70 ms fused vs 1.56 ms gather + TMA,
-# deepseek-v4-pro 1.87 vs 1.77: the fused cp.async producer keeps too few bytes in flight, so "tma" is the
-# default until the fused producer is faster; tune / the gemm1_a_load override can pick either.
-GEMM1_A_LOAD = "tma"
+# How GEMM1 gets its A rows: "gather" = GEMM1's producer warpgroup gathers the routed rows of x with cp.async
+# into the swizzled A tile (fused, no extra pass); "tma" = a gather kernel writes them contiguously first and
+# GEMM1 loads them by TMA. Kernel-by-kernel on the H200 (bench/results/variants-h200.json, 2026-12-02) "tma"
+# was faster on kimi-k2 (GEMM1 incl. gather 1.56 vs 1.70 ms) and deepseek-v4-pro (1.77 vs 1.87 ms), but the
+# end-to-end benchmark and the GPU test suite ran with "gather", so that stays the default until "tma" is
+# benchmarked through the product path (bench/NOTES.md); tune / the gemm1_a_load override pick either.
+GEMM1_A_LOAD = "gather"
 A_LOADS = ("tma", "gather")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load")
 RASTER_OVERRIDE_MAX = 64
