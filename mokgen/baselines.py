@@ -24,20 +24,17 @@ Baselines (what the benchmark compares mokgen against):
 
 A ``spec`` argument is anything with the :class:`mokgen.spec.Spec` attributes used here (``ffn``,
 ``shared_experts``, ``activation``, ``swiglu_limit``, ``gate_up_layout`` and ``local_experts``, or
-``experts`` and ``ep``); :class:`SimpleSpec` is a minimal stand-in for tests and tools.
+``experts`` and ``ep``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "SimpleSpec",
     "GemmOnlyInputs",
     "grouped_mm_available",
     "activation",
@@ -53,59 +50,6 @@ __all__ = [
 
 OAI_ALPHA = 1.702
 OAI_LIMIT = 7.0
-
-
-@dataclass(frozen=True)
-class SimpleSpec:
-    """The fields of ``mokgen.spec.Spec`` the baselines and the benchmark read (no validation)."""
-
-    name: str = "tiny"
-    hidden: int = 256
-    ffn: int = 128
-    experts: int = 8
-    topk: int = 2
-    ep: int = 2
-    tokens: int = 128
-    dtype: str = "bf16"
-    shared_experts: int = 1
-    activation: str = "swiglu"
-    swiglu_limit: float | None = None
-    gate_up_layout: str = "concat"
-    bias: bool = False
-    archs: tuple[str, ...] = ("sm_90a",)
-
-    @property
-    def local_experts(self) -> int:
-        return self.experts // self.ep
-
-    @property
-    def groups(self) -> int:
-        return self.local_experts + self.shared_experts
-
-    @property
-    def routed_rows(self) -> int:
-        return self.tokens * self.topk
-
-    @property
-    def rows(self) -> int:
-        return self.tokens * (self.topk + self.shared_experts)
-
-    @property
-    def flops_forward(self) -> int:
-        return 2 * self.rows * 3 * self.hidden * self.ffn
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["archs"] = list(self.archs)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SimpleSpec":
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        if "archs" in kw:
-            kw["archs"] = tuple(kw["archs"])
-        return cls(**kw)
 
 
 def _local_experts(spec: Any) -> int:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mokgen.spec import load_spec
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +33,7 @@ CASES = [
 ]
 
 
-def make(spec: B.SimpleSpec, seed: int = 0, empty_expert: bool = False):
+def make(spec, seed: int = 0, empty_expert: bool = False):
     g = torch.Generator().manual_seed(seed)
     T, H, I, K = spec.tokens, spec.hidden, spec.ffn, spec.topk
     L, G = spec.local_experts, spec.groups
@@ -92,7 +94,7 @@ def relerr(a, b):
 
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
 def test_loop_reference_matches_naive(name, kw):
-    spec = B.SimpleSpec(name=name, **kw)
+    spec = load_spec({"name": name, **kw})
     x, idx, w, w1, w2, b1, b2 = make(spec)
     ref = naive(x, idx, w, w1, w2, spec, b1, b2)
     got = B.loop_reference(x, idx, w, w1, w2, spec, b1, b2, dtype=torch.float64)
@@ -101,7 +103,7 @@ def test_loop_reference_matches_naive(name, kw):
 
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
 def test_torch_loop_matches(name, kw):
-    spec = B.SimpleSpec(name=name, **kw)
+    spec = load_spec({"name": name, **kw})
     x, idx, w, w1, w2, b1, b2 = make(spec)
     ref = naive(x, idx, w, w1, w2, spec, b1, b2)
     y = B.torch_loop(x, idx, w, w1, w2, spec, b1, b2)
@@ -112,7 +114,7 @@ def test_torch_loop_matches(name, kw):
 @needs_grouped
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
 def test_torch_grouped_mm_matches(name, kw):
-    spec = B.SimpleSpec(name=name, **kw)
+    spec = load_spec({"name": name, **kw})
     x, idx, w, w1, w2, b1, b2 = make(spec)
     ref = naive(x, idx, w, w1, w2, spec, b1, b2)
     y = B.torch_grouped_mm(x, idx, w, w1, w2, spec, b1, b2)
@@ -124,7 +126,7 @@ def test_torch_grouped_mm_matches(name, kw):
 
 @needs_grouped
 def test_torch_grouped_mm_empty_expert():
-    spec = B.SimpleSpec(hidden=64, ffn=64, experts=4, ep=1, topk=2, tokens=24, shared_experts=1)
+    spec = load_spec(dict(hidden=64, ffn=64, experts=4, ep=1, topk=2, tokens=24, shared_experts=1))
     x, idx, w, w1, w2, b1, b2 = make(spec, empty_expert=True)
     assert not (idx == spec.local_experts - 1).any()
     y = B.torch_grouped_mm(x, idx, w, w1, w2, spec)
@@ -138,7 +140,7 @@ def test_reference_module_agrees():
     from mokgen.reference import forward
 
     for name, kw in CASES:
-        spec = B.SimpleSpec(name=name, **kw)
+        spec = load_spec({"name": name, **kw})
         x, idx, w, w1, w2, b1, b2 = make(spec)
         ref = forward(x, idx, w, w1, w2, spec, b1=b1, b2=b2, dtype=torch.float64)
         if isinstance(ref, (tuple, list)):
@@ -156,7 +158,7 @@ def test_route_is_stable_and_offsets():
 
 @needs_grouped
 def test_gemm_only_groups():
-    spec = B.SimpleSpec(hidden=64, ffn=64, experts=3, ep=1, topk=2, tokens=16, shared_experts=1)
+    spec = load_spec(dict(hidden=64, ffn=64, experts=3, ep=1, topk=2, tokens=16, shared_experts=1))
     x, idx, w, w1, w2, _, _ = make(spec)
     inp = B.prepare_gemm_only(x, idx, w1, w2, spec)
     M = spec.rows
@@ -177,7 +179,7 @@ def test_gemm_only_groups():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_no_host_sync_gpu():
-    spec = B.SimpleSpec(hidden=256, ffn=128, experts=8, ep=2, topk=6, tokens=256, shared_experts=1)
+    spec = load_spec(dict(hidden=256, ffn=128, experts=8, ep=2, topk=6, tokens=256, shared_experts=1))
     x, idx, w, w1, w2, b1, b2 = (t.cuda() if t is not None else None for t in make(spec))
     ref = naive(x.cpu(), idx.cpu(), w.cpu(), w1.cpu(), w2.cpu(), spec)
     B.torch_grouped_mm(x, idx, w, w1, w2, spec)  # warm up (lazy init may sync)

@@ -26,7 +26,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -71,26 +70,10 @@ def _log(msg: str) -> None:
 
 
 def resolve_spec(src: Any, tokens: int | None = None):
-    """A Spec from a preset name, YAML path or mapping: ``mokgen.spec.load_spec`` when importable, else the
-    minimal ``baselines.SimpleSpec`` (paths and mappings only). ``tokens`` overrides T."""
-    try:
-        from mokgen.spec import load_spec  # type: ignore
-    except ImportError:
-        load_spec = None
-    if load_spec is not None:
-        spec = load_spec(src)
-    else:
-        if isinstance(src, dict):
-            d = dict(src)
-        elif os.path.exists(str(src)):
-            import yaml
+    """A Spec from a preset name, YAML path or mapping (``mokgen.spec.load_spec``). ``tokens`` overrides T."""
+    from mokgen.spec import load_spec
 
-            d = yaml.safe_load(Path(src).read_text())
-            d.setdefault("name", Path(src).stem)
-        else:
-            raise RuntimeError(f"spec {src!r}: mokgen.spec is not importable, so only YAML paths and mappings "
-                               "can be loaded")
-        spec = B.SimpleSpec.from_dict(d)
+    spec = load_spec(src)
     if tokens is not None and tokens != spec.tokens:
         spec = _with_tokens(spec, tokens)
     return spec
