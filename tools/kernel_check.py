@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mokgen import reference as ref  # noqa: E402
-from mokgen.plan import solve  # noqa: E402
+from mokgen.plan import cap_rows, solve  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
     dev = torch.device("cuda")
     inp = ref.random_inputs(spec, tokens=T, device=dev, seed=int(time.time()) % 10000, routing=routing)
     bm = plan.bm
-    cap = -(-(T * spec.topk + spec.shared_experts * T + spec.groups * (bm - 1)) // bm) * bm
+    cap = cap_rows(spec, bm, T)
     tiles = cap // bm
     H, I, K, S = spec.hidden, spec.ffn, spec.topk, spec.shared_experts
     b1 = inp.b1 if inp.b1 is not None else torch.zeros(1, 1, device=dev)
