@@ -33,6 +33,7 @@ _LAZY = {
     "CompiledMoE": ("mokgen.ops", "CompiledMoE"),
     "RoutingError": ("mokgen.ops", "RoutingError"),
     "MoEInputError": ("mokgen.ops", "MoEInputError"),
+    "KernelTimeoutError": ("mokgen.ops", "KernelTimeoutError"),
     "ArchMismatchError": ("mokgen.ops", "ArchMismatchError"),
     "moe_forward": ("mokgen.ops", "moe_forward"),
     "reference": ("mokgen.reference", None),
@@ -42,12 +43,12 @@ _LAZY = {
 __all__ = ["__version__", "compile", *_LAZY]
 
 
-def compile(spec: Any, arch: str | None = None, force: bool = False):
+def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: Any = None):
     """Compile (or load from the cache) the kernels of ``spec`` for ``arch`` and return a
     :class:`mokgen.ops.CompiledMoE`. See :func:`mokgen.ops.compile`."""
     from .ops import compile as _compile
 
-    return _compile(spec, arch=arch, force=force)
+    return _compile(spec, arch=arch, force=force, overrides=overrides)
 
 
 def __getattr__(name: str) -> Any:

@@ -101,7 +101,7 @@ def _activation(spec: Any) -> tuple[str, float | None]:
 
 
 # Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
-EXPERIMENTS = ("gemm1_single_mma",)
+EXPERIMENTS = ("gemm1_single_mma", "gemm1_gather_noinc")
 
 
 def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -158,6 +158,45 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         activation=activation,
         act_limit=act_limit,
         single_mma=which == 1 and "gemm1_single_mma" in experimental,
+        gather_noinc=a_gather and "gemm1_gather_noinc" in experimental,
+    )
+
+
+# int32 counters ahead of the per-M-tile ones in the fused kernel's sync workspace (fused.py.j2, SYNC_DONE1)
+FUSED_SYNC_HEAD = 4
+FUSED_TIMEOUT_NS = 2_000_000_000
+FUSED_TOK_PER_TASK = 8
+
+
+def _fused_params(plan: Plan) -> dict[str, Any]:
+    spec = plan.spec
+    g1, g2 = plan.gemm1, plan.gemm2
+    H, I = spec.hidden, spec.ffn
+    bn1 = g1.bn // 2
+    if g1.bn != g2.bn or H % g2.bn or I % bn1:
+        raise EmitError(f"plan: the fused kernel needs gemm1.bn == gemm2.bn dividing hidden {H} (and bn/2 | ffn "
+                        f"{I}), got {g1.bn}/{g2.bn}")
+    if g1.bk != g2.bk or H % g1.bk or I % g1.bk:
+        raise EmitError(f"plan: the fused kernel needs one bk dividing hidden and ffn, got {g1.bk}/{g2.bk}")
+    stages = min(g1.stages, g2.stages)
+    smem = stages * (plan.bm * g1.bk + g2.bn * g1.bk) * 2 + _SMEM_BARRIERS
+    from .plan import get_arch
+
+    limit = get_arch(plan.arch).smem_per_cta
+    if smem > limit:
+        raise EmitError(f"plan: {stages} fused stages need {smem} bytes of shared memory, limit {limit}")
+    if spec.gate_up_layout == "concat":
+        n_stride, p_stride = H, I * H
+    else:
+        n_stride, p_stride = 2 * H, H
+    activation, act_limit = _activation(spec)
+    producer_regs, consumer_regs = _REGS["gather"]
+    return dict(
+        hidden=H, ffn=I, groups=spec.groups, topk=spec.topk, slots=spec.topk + spec.shared_experts,
+        w1_n_stride=n_stride, w1_p_stride=p_stride, has_bias=bool(spec.bias), bm=plan.bm, bn1=bn1, bk=g1.bk,
+        stages=stages, raster=g1.raster_group, chunk_m=max(1, plan.chunk_rows // plan.bm),
+        tok_per_task=FUSED_TOK_PER_TASK, producer_regs=producer_regs, consumer_regs=consumer_regs,
+        timeout_ns=FUSED_TIMEOUT_NS, activation=activation, act_limit=act_limit,
     )
 
 
@@ -178,8 +217,14 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
         )
         files[f"{out_name}.py"] = text
 
+    fused = plan.schedule == "fused"
     render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
-           shared=spec.shared_experts, bm=plan.bm)
+           shared=spec.shared_experts, bm=plan.bm, zero_sync=fused)
+    if fused:
+        render("sm90/fused.py.j2", "fused",
+               f"Fused MoE forward of {spec.name}: gathered GEMM 1 + SwiGLU, GEMM 2 + routing weight, combine",
+               **_fused_params(plan))
+        return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
     if plan.gemm1.a_load == "tma":
         render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128)
     render("sm90/grouped_gemm.py.j2", "gemm1",

@@ -40,6 +40,7 @@ __all__ = [
     "KERNELS",
     "MoEInputError",
     "RoutingError",
+    "KernelTimeoutError",
     "ArchMismatchError",
     "LoadError",
     "cap_rows",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 KERNELS = ("routing", "gemm1", "gemm2", "combine")
+FUSED_KERNELS = ("routing", "fused")
+FUSED_SYNC_HEAD = 4        # int32 counters ahead of the per-M-tile ones (templates/sm90/fused.py.j2: SYNC_DONE1)
 GATHER_KERNEL = "gather"   # only for plans whose GEMM 1 loads A by TMA (plan.gemm1.a_load == "tma")
 RUNTIME_LIB_NAME = "libcute_dsl_runtime.so"
 MODULE_LIB_NAME = "libmokgen.so"
@@ -66,6 +69,10 @@ class MoEInputError(ValueError):
 
 class RoutingError(RuntimeError):
     """``topk_idx`` held expert ids outside ``[0, local_experts)``; the kernels dropped those slots."""
+
+
+class KernelTimeoutError(RuntimeError):
+    """A bounded dependency wait in the fused kernel expired (``sync[2]``); that call's output is wrong."""
 
 
 class ArchMismatchError(RuntimeError):
@@ -92,8 +99,15 @@ def uses_gather_kernel(plan: Any) -> bool:
     return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma"
 
 
+def is_fused(plan: Any) -> bool:
+    """True when the plan's schedule is "fused": routing, then one persistent kernel (GEMM 1, GEMM 2, combine)."""
+    return getattr(plan, "schedule", "chain") == "fused"
+
+
 def kernels_of(plan: Any) -> tuple[str, ...]:
     """The kernel names a plan's library exports (in launch order)."""
+    if is_fused(plan):
+        return FUSED_KERNELS
     return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
 
 
@@ -126,6 +140,8 @@ class Workspace:
     ys: torch.Tensor          # [cap_rows, H] bf16
     dummy_bias: torch.Tensor  # [1, 1] fp32, passed as b1 / b2 when the spec has no bias
     xg: torch.Tensor | None = None  # [cap_rows, H] bf16 gathered rows of x (only with a gather kernel)
+    sync: torch.Tensor | None = None  # [4 + max_m_tiles] int32 task / dependency counters (fused schedule only);
+    #                                   sync[2] is the sticky wait-timeout flag
 
     @staticmethod
     def layout(spec_or_cfg: Any, plan: Any, tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -135,6 +151,8 @@ class Workspace:
         bm = _bm_of(plan)
         cap = cap_rows(tokens, c.topk, c.shared_experts, c.groups, bm)
         extra = {"xg": ((cap, c.hidden), torch.bfloat16)} if uses_gather_kernel(plan) else {}
+        if is_fused(plan):
+            extra["sync"] = ((FUSED_SYNC_HEAD + cap // bm,), torch.int32)
         return {**extra, 
             "row_src": ((cap,), torch.int32),
             "row_w": ((cap,), torch.float32),
@@ -149,7 +167,7 @@ class Workspace:
     @classmethod
     def allocate(cls, spec_or_cfg: Any, plan: Any, tokens: int, device: torch.device | str) -> "Workspace":
         lay = cls.layout(spec_or_cfg, plan, tokens)
-        fill = {"row_src": 0, "row_w": 0, "tile_group": -1, "meta": 0, "slot_pos": -1, "dummy_bias": 0}
+        fill = {"row_src": 0, "row_w": 0, "tile_group": -1, "meta": 0, "slot_pos": -1, "dummy_bias": 0, "sync": 0}
         bufs = {}
         for name, (shape, dtype) in lay.items():
             if name in fill:
@@ -163,7 +181,8 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.row_src, self.row_w, self.tile_group, self.meta,
-                                                          self.slot_pos, self.h, self.ys, self.dummy_bias, self.xg)
+                                                          self.slot_pos, self.h, self.ys, self.dummy_bias, self.xg,
+                                                          self.sync)
                    if t is not None)
 
 
@@ -332,6 +351,7 @@ class CompiledMoE:
             _arch_number(self.arch)
         self.kernels = kernels_of(plan)
         self.gather = uses_gather_kernel(plan)
+        self.fused = is_fused(plan)
         if functions is None:
             if self.entry_dir is None:
                 raise ValueError("CompiledMoE needs entry_dir (a built cache entry) or functions=")
@@ -385,13 +405,15 @@ class CompiledMoE:
     # ---- errors -----------------------------------------------------------------------------------------------
 
     def check_errors(self) -> None:
-        """Raise :class:`RoutingError` if any call since the last check saw an out-of-range ``topk_idx``.
+        """Raise :class:`KernelTimeoutError` if a fused-kernel wait of any call since the last check timed out,
+        else :class:`RoutingError` if any call since the last check saw an out-of-range ``topk_idx``.
 
         The routing kernel sets ``meta[1]`` of the call's workspace and never clears it, so the flag is sticky
         on the device until this method reads and clears it (one host sync). Calls of other T values have
         their own workspaces; all are checked.
         """
         bad_T: list[int] = []
+        timed_out: list[int] = []
         by_dev: dict[tuple[str, int], list[Workspace]] = {}
         for (dev_type, index, _), ws in self._workspaces.items():
             by_dev.setdefault((dev_type, index), []).append(ws)
@@ -403,8 +425,13 @@ class CompiledMoE:
                 if f:
                     bad_T.append(ws.tokens)
                     ws.meta[1] = 0
+                if ws.sync is not None and int(ws.sync[2]):
+                    timed_out.append(ws.tokens)
+                    ws.sync[2] = 0
         earlier = self._unchecked_errors
         self._unchecked_errors = 0
+        if timed_out:
+            raise KernelTimeoutError(self._timeout_msg() + f" (T = {sorted(set(timed_out))})")
         if bad_T or earlier:
             where = f" (T = {sorted(set(bad_T))})" if bad_T else ""
             raise RoutingError(
@@ -537,6 +564,12 @@ class CompiledMoE:
         b2_ = b2 if b2 is not None else ws.dummy_bias
         f = self._fns
         with self._stream(x.device):
+            if self.fused:
+                f["routing"](topk_idx, topk_weight, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos,
+                             ws.sync)
+                f["fused"](x, w1, b1_, w2, b2_, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos, ws.h,
+                           ws.ys, y, ws.sync, num_ctas)
+                return self._after_call(ws, topk_idx, check, y)
             f["routing"](topk_idx, topk_weight, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos)
             a = x
             if self.gather:
@@ -545,11 +578,21 @@ class CompiledMoE:
             f["gemm1"](a, w1, b1_, ws.row_src, ws.tile_group, ws.meta, ws.h, num_ctas)
             f["gemm2"](ws.h, w2, b2_, ws.row_w, ws.tile_group, ws.meta, ws.ys, num_ctas)
             f["combine"](ws.ys, ws.slot_pos, y)
+        return self._after_call(ws, topk_idx, check, y)
+
+    def _after_call(self, ws: Workspace, topk_idx: torch.Tensor, check: bool, y: torch.Tensor) -> torch.Tensor:
         if check and int(ws.meta[1]):
             ws.meta[1] = 0
             raise RoutingError(f"mokgen {self.name}: {self._count_bad(topk_idx)}; those slots were dropped "
                                "(contributed 0)")
+        if check and ws.sync is not None and int(ws.sync[2]):
+            ws.sync[2] = 0
+            raise KernelTimeoutError(self._timeout_msg())
         return y
+
+    def _timeout_msg(self) -> str:
+        return (f"mokgen {self.name}: a dependency wait of the fused kernel timed out (a bug, or the GPU was "
+                "shared with a kernel that kept its SMs for seconds); that call's output is wrong")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -703,13 +746,15 @@ def _dsl_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None
 
 
-def compile(spec: Any, arch: str | None = None, force: bool = False) -> CompiledMoE:
+def compile(spec: Any, arch: str | None = None, force: bool = False,
+            overrides: Mapping[str, Any] | None = None) -> CompiledMoE:
     """spec (a Spec, preset name, YAML path or mapping) -> load_spec -> plan.solve -> emit.emit ->
     cache.get_or_build (build.build on a miss) -> :class:`CompiledMoE` (one per cache entry per process).
 
     ``arch``: as :func:`mokgen.build.resolve_arch` (argument, ``$MOKGEN_ARCH``, the visible GPU). Without the
     CuTe DSL a cached (or unpacked) entry is still loaded; a miss raises an error saying what to install.
-    ``force=True`` rebuilds (needs the DSL).
+    ``force=True`` rebuilds (needs the DSL). ``overrides``: plan choices passed to :func:`mokgen.plan.solve`
+    (e.g. ``{"schedule": "chain"}``; how ``mokgen tune`` and the benchmark try alternatives).
     """
     from .spec import Spec, load_spec
 
@@ -720,7 +765,7 @@ def compile(spec: Any, arch: str | None = None, force: bool = False) -> Compiled
     plan_mod = importlib.import_module("mokgen.plan")
     emit_mod = importlib.import_module("mokgen.emit")
     cache_mod = importlib.import_module("mokgen.cache")
-    plan = plan_mod.solve(spec, arch)
+    plan = plan_mod.solve(spec, arch, **dict(overrides or {}))
     sources = emit_mod.emit(plan)
     if _dsl_available():
         art = cache_mod.get_or_build(sources, arch, force=force)

@@ -81,7 +81,10 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # benchmarked through the product path (bench/NOTES.md); tune / the gemm1_a_load override pick either.
 GEMM1_A_LOAD = "gather"
 A_LOADS = ("tma", "gather")
-OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load")
+OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule")
+# "chain": routing, GEMM 1, GEMM 2, combine as separate launches; "fused": routing, then one persistent kernel
+# for GEMM 1 + GEMM 2 + combine (templates/sm90/fused.py.j2), which needs gemm1.bn == gemm2.bn | hidden
+SCHEDULES = ("chain", "fused")
 RASTER_OVERRIDE_MAX = 64
 
 # ---- the rules, symbolically -------------------------------------------------------------------------------
@@ -195,8 +198,16 @@ class Plan:
     predicted_ms: float
     predicted_tflops: float
     notes: tuple[str, ...] = ()
+    schedule: str = "chain"  # see SCHEDULES
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "fused":
+            if self.gemm1.bn != self.gemm2.bn or self.spec.hidden % self.gemm2.bn or self.gemm1.a_load != "gather":
+                raise PlanError(
+                    f"plan.schedule: 'fused' needs gemm1.bn == gemm2.bn dividing hidden {self.spec.hidden} and "
+                    f"gemm1.a_load 'gather', got bn {self.gemm1.bn}/{self.gemm2.bn}, a_load {self.gemm1.a_load!r}")
         if not self.gemm1.bm == self.gemm2.bm == self.bm:
             raise PlanError(
                 f"plan.bm: GEMM1 and GEMM2 must share the M tile, got {self.gemm1.bm}, {self.gemm2.bm}, {self.bm}")
@@ -327,7 +338,8 @@ def _rank_key(spec: Spec, arch: Arch, plan: Plan) -> tuple:
     return plan.predicted_ms, c1.compute_ms + c2.compute_ms, -plan.gemm1.bn, -plan.gemm2.bn
 
 
-def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[str, ...] = ()) -> Plan:
+def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[str, ...] = (),
+               schedule: str = "chain") -> Plan:
     c1, c2, glue_ms = _costs(spec, arch, g1, g2)
     ms = c1.ms + c2.ms + glue_ms
     cap = cap_rows(spec, BM, spec.tokens)
@@ -337,7 +349,7 @@ def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[
         chunk_rows=max(_chunk_rows(arch, g1.n_tiles), _chunk_rows(arch, g2.n_tiles)),
         waves1=round(c1.tiles / arch.sms, 3), waves2=round(c2.tiles / arch.sms, 3),
         predicted_ms=float(f"{ms:.6g}"), predicted_tflops=round(spec.flops_forward / ms / 1e9, 1),
-        notes=_auto_notes(spec, arch, g2, c1, c2) + notes,
+        notes=_auto_notes(spec, arch, g2, c1, c2) + notes, schedule=schedule,
     )
 
 
@@ -382,10 +394,20 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         key = f"gemm{which}_bn"
         if key in overrides and (problem := _gemm_problem(spec, a, which, overrides[key])):
             raise PlanError(f"plan.{key}: {problem}")
+    schedule = overrides.get("schedule", "chain")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+    def fits(p: Plan) -> bool:
+        return schedule == "chain" or (p.gemm1.bn == p.gemm2.bn and spec.hidden % p.gemm2.bn == 0)
+
     best = next(
-        p for p in candidates(spec, arch)
-        if p.gemm1.bn == overrides.get("gemm1_bn", p.gemm1.bn) and p.gemm2.bn == overrides.get("gemm2_bn", p.gemm2.bn)
-    )
+        (p for p in candidates(spec, arch)
+         if p.gemm1.bn == overrides.get("gemm1_bn", p.gemm1.bn) and p.gemm2.bn == overrides.get("gemm2_bn", p.gemm2.bn)
+         and fits(p)), None)
+    if best is None:
+        raise PlanError(f"plan.schedule: no tile plan for 'fused' (gemm1.bn == gemm2.bn dividing hidden "
+                        f"{spec.hidden}) among the candidates that match the overrides")
     if not overrides:
         return best
     gemms = {1: best.gemm1, 2: best.gemm2}
@@ -408,7 +430,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             raise PlanError(f"plan.raster_group: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
         gemms = {w: dataclasses.replace(g, raster_group=r) for w, g in gemms.items()}
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
-    return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",))
+    return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
 
 
 # ---- explain -----------------------------------------------------------------------------------------------

@@ -553,11 +553,27 @@ def ref_combine(ys, slot_pos, y) -> None:
     y.copy_(acc.to(y.dtype))
 
 
-def reference_kernels(spec_or_cfg, bm: int, gather: bool = False) -> dict[str, Callable[..., None]]:
+def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (docs/contract.md), the plan's
     constants bound. A stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant
-    with a ``gather`` kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x)."""
+    with a ``gather`` kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the
+    fused schedule's two kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and
+    ``fused`` (GEMM 1, GEMM 2 and combine)."""
     cfg = layer_config(spec_or_cfg)
+    if fused:
+        def routing_f(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos, sync):
+            ref_routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos,
+                        local_experts=cfg.local_experts, shared_experts=cfg.shared_experts, bm=bm)
+            keep = sync[2].clone()
+            sync.zero_()
+            sync[2] = keep
+
+        def fused_(x, w1, b1, w2, b2, row_src, row_w, tile_group, meta, slot_pos, h, ys, y, sync, num_ctas):
+            ref_gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas, cfg=cfg, bm=bm)
+            ref_gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas, cfg=cfg, bm=bm)
+            ref_combine(ys, slot_pos, y)
+
+        return {"routing": routing_f, "fused": fused_}
 
     def routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos):
         ref_routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos,

@@ -6,7 +6,8 @@ T = 1000 (no tile multiple); out-of-range ids (RoutingError with check=True, sti
 no host sync under ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay.
 
 ``MOKGEN_GPU_TOKENS`` caps the token count (default: each preset's own ``tokens``);
-``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets.
+``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets; ``MOKGEN_GPU_OVERRIDES`` (``k=v,...``, e.g.
+``schedule=chain``) plan overrides for ``mokgen.compile``.
 """
 
 import importlib.util
@@ -30,6 +31,7 @@ PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
 TOL = 1e-2
+OVERRIDES = dict(kv.split("=", 1) for kv in os.environ.get("MOKGEN_GPU_OVERRIDES", "").split(",") if "=" in kv)
 
 
 def _tokens(spec) -> int:
@@ -70,7 +72,7 @@ def with_routing(spec, inp, routing, tokens=None, seed=1):
 @pytest.fixture(scope="module", params=PRESETS)
 def case(request):
     spec = mokgen.load_spec(request.param)
-    moe = mokgen.compile(spec)
+    moe = mokgen.compile(spec, overrides=OVERRIDES)
     inp = ref.random_inputs(spec, tokens=_tokens(spec), device="cuda", seed=0)
     yield spec, moe, inp
     moe.clear_workspaces()

@@ -317,8 +317,27 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
 
+def parse_variants(text: str | None) -> list[dict[str, Any]]:
+    """``"schedule=fused;gemm1_a_load=tma,schedule=chain"`` -> [{"schedule": "fused"}, ...]: ';' separates
+    variants, ',' the overrides of one variant."""
+    out = []
+    for v in (text or "").split(";"):
+        if not v.strip():
+            continue
+        d = {}
+        for kv in v.split(","):
+            k, _, val = kv.strip().partition("=")
+            d[k] = int(val) if val.isdigit() else val
+        out.append(d)
+    return out
+
+
+def variant_name(ov: dict[str, Any]) -> str:
+    return "mokgen[" + ",".join(f"{k}={v}" for k, v in sorted(ov.items())) + "]"
+
+
 def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, device, loop_reps: int,
-                seed: int) -> list[dict[str, Any]]:
+                seed: int, variants: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     shape = spec.name
     dims = spec_dims(spec)
     flops = spec_flops(spec)
@@ -355,18 +374,23 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
 
     if "torch_grouped_mm" in impls:
         run("torch_grouped_mm", lambda: B.torch_grouped_mm(*args, **kw), check=True)
-    if "mokgen" in impls:
+    mokgen_runs = [("mokgen", None)] if "mokgen" in impls else []
+    mokgen_runs += [(variant_name(v), v) for v in (variants or [])]
+    for name, ov in mokgen_runs:
         try:
             import mokgen
 
             t1 = time.perf_counter()
-            moe = mokgen.compile(spec)
-            _log(f"[{shape}] mokgen.compile {time.perf_counter() - t1:.1f}s")
-            run("mokgen", lambda: moe(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
-                                      inp["b1"], inp["b2"]), check=True)
+            moe = mokgen.compile(spec, overrides=ov)
+            _log(f"[{shape}] {name}: mokgen.compile {time.perf_counter() - t1:.1f}s (schedule "
+                 f"{getattr(moe.plan, 'schedule', '?')})")
+            run(name, lambda: moe(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
+                                  inp["b1"], inp["b2"]), check=True)
+            moe.check_errors()
         except Exception as e:  # noqa: BLE001
-            results["mokgen"] = dict(ms=None, err=None, det=None, error=_short_error(e))
-            _log(f"[{shape}] mokgen: compile FAILED {_short_error(e)}")
+            if name not in results or results[name].get("error") is None:
+                results[name] = dict(ms=None, err=None, det=None, error=_short_error(e))
+            _log(f"[{shape}] {name}: FAILED {_short_error(e)}")
             if os.environ.get("MOKGEN_BENCH_TRACEBACK"):
                 traceback.print_exc()
         finally:
@@ -382,7 +406,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
         run("torch_loop", lambda: B.torch_loop(*args, **kw), check=True, reps=loop_reps, warmup=1)
 
     base = results.get("torch_grouped_mm", {}).get("ms")
-    order = [i for i in IMPLS if i in results]
+    order = [i for i in IMPLS if i in results] + sorted(i for i in results if i not in IMPLS)
     recs = [_record(ctx, shape, dims, i, results[i]["ms"], flops, base, results[i]["err"], results[i]["det"],
                     results[i]["error"]) for i in order]
     del inp, ref, args, kw
@@ -474,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny specs, CPU-capable baselines only")
+    ap.add_argument("--variants", default=None, help="extra mokgen plans to time, recorded as impl "
+                    "'mokgen[k=v,...]': ';'-separated variants of ','-separated plan overrides, e.g. "
+                    "'schedule=chain;schedule=fused'")
     return ap
 
 
@@ -524,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         if shape_impls:
             for i, spec in enumerate(specs):
-                records += bench_shape(spec, shape_impls, ctx, timer, device, args.loop_reps, args.seed + i)
+                records += bench_shape(spec, shape_impls, ctx, timer, device, args.loop_reps, args.seed + i,
+                                       variants=[] if device.type == "cpu" else parse_variants(args.variants))
                 _free(device)
         if "dense_mm" in impls:
             n = args.dense_size or (256 if device.type == "cpu" else 8192)

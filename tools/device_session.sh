@@ -1,11 +1,34 @@
 #!/usr/bin/env bash
-# One device call that produces the project's GPU evidence (see bench/NOTES.md):
-#   the forward benchmark of every shape (mokgen + baselines, same process), kernel variants with eager vs
-#   CUDA-graph timing, and the GPU test suite. Expects `mokgen cache pack` output in .prebuilt/ and the
-#   tvm-ffi wheel + DSL runtime in .devdeps/ (tools/device_env.sh says how they are used).
+# One device call that produces the project's GPU evidence (see bench/NOTES.md). Expects `mokgen cache pack`
+# output and built libraries in .prebuilt/ and the tvm-ffi wheel + DSL runtime in .devdeps/
+# (tools/device_env.sh says how they are used). Every step has its own time limit, so a hung kernel costs
+# one step, not the call. Knobs (environment):
+#   CHECK_BUILDS   built libraries to check and time, "DIR:SPEC ..." (default: every .prebuilt/<spec>[@variant])
+#   BENCH_SPECS    presets for tools/bench_forward.py (default: its six)   BENCH_VARIANTS  its --variants
+#   PROBE_BUILDS   "DIR:SPEC ..." for tools/probe_clocks.py (default: none)
+#   GPU_TESTS      1: run tests/test_gpu_forward.py (MOKGEN_GPU_PRESETS / MOKGEN_GPU_OVERRIDES pass through)
 source tools/device_env.sh || exit 1
-timeout 110 python3 tools/bench_forward.py --loop-reps 1 --out "$OUT/forward-h200.json" 2>&1 | tail -24
-# .prebuilt/<spec> and .prebuilt/<spec>@<variant>: built libraries to check and time side by side
-variants=$(for d in .prebuilt/*/; do d=${d%/}; n=$(basename "$d"); echo "$d:${n%@*}"; done)
-timeout 100 python3 tools/kernel_check.py $variants --json "$OUT/variants.json" 2>/dev/null | cut -c1-400
-timeout 90 python3 -m pytest -q -x tests/test_gpu_forward.py 2>&1 | tail -15
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
+builds=${CHECK_BUILDS:-$(for d in .prebuilt/*/; do d=${d%/}; n=$(basename "$d"); echo "$d:${n%@*}"; done)}
+hung=""
+for b in $builds; do
+  n=$(basename "${b%%:*}"); v=${n#*@}; [ "$v" = "$n" ] && v=default
+  case " $hung " in *" $v "*) echo "kernel_check $b: skipped (variant $v hung before)"; continue;; esac
+  timeout "${CHECK_TIMEOUT:-60}" python3 tools/kernel_check.py "$b" --json "$OUT/check-$n.json" 2>"$OUT/check-$n.log" \
+    | cut -c1-900
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "kernel_check $b: exit $rc"
+  [ "$rc" = 124 ] && hung="$hung $v"
+  tail -2 "$OUT/check-$n.log" | cut -c1-300
+done
+if [ "${BENCH:-1}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py $BENCH_SPECS ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} \
+    --loop-reps 1 --out "$OUT/forward-h200.json" 2>"$OUT/bench.log" | tail -40; tail -3 "$OUT/bench.log"
+fi
+if [ -n "$PROBE_BUILDS" ]; then
+  timeout 120 python3 tools/probe_clocks.py $PROBE_BUILDS --json "$OUT/probe.json" 2>&1 | grep -v '^{' | cut -c1-400
+fi
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x tests/test_gpu_forward.py 2>&1 | tail -15
+fi

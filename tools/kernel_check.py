@@ -26,8 +26,10 @@ from mokgen.spec import load_spec  # noqa: E402
 
 
 def load_lib(build_dir: Path):
-    from mokgen.ops import GATHER_KERNEL, KERNELS, load_library
+    from mokgen.ops import FUSED_KERNELS, GATHER_KERNEL, KERNELS, load_library
 
+    if (build_dir / "sources" / "fused.py").is_file():  # routing + one persistent kernel
+        return load_library(build_dir, FUSED_KERNELS)
     if (build_dir / "sources" / f"{GATHER_KERNEL}.py").is_file():  # GEMM 1 loads A by TMA from gathered rows
         return load_library(build_dir, ("routing", GATHER_KERNEL, *KERNELS[1:]))
     return load_library(build_dir)
@@ -51,25 +53,36 @@ def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
-def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "random", time_it: bool = True):
-    import tvm_ffi
+class Setup:
+    """One built library, its spec and fresh random inputs; ``ws()`` makes poisoned workspaces and the ``k_*``
+    methods launch one kernel each on the current torch stream (inside ``tvm_ffi.use_torch_stream()``)."""
 
-    spec = load_spec(spec_name)
-    plan = solve(spec, "sm_90a")
-    log(f"{spec_name}: loading {build_dir}")
-    fn = load_lib(build_dir)
-    log(f"{spec_name}: loaded")
-    T = tokens or spec.tokens
-    dev = torch.device("cuda")
-    inp = ref.random_inputs(spec, tokens=T, device=dev, seed=int(time.time()) % 10000, routing=routing)
-    bm = plan.bm
-    cap = cap_rows(spec, bm, T)
-    tiles = cap // bm
-    H, I, K, S = spec.hidden, spec.ffn, spec.topk, spec.shared_experts
-    b1 = inp.b1 if inp.b1 is not None else torch.zeros(1, 1, device=dev)
-    b2 = inp.b2 if inp.b2 is not None else torch.zeros(1, 1, device=dev)
+    def __init__(self, build_dir: Path, spec_name: str, tokens: int | None, routing: str = "random"):
+        self.spec = spec = load_spec(spec_name)
+        self.plan = solve(spec, "sm_90a")
+        log(f"{spec_name}: loading {build_dir}")
+        self.fn = load_lib(build_dir)
+        log(f"{spec_name}: loaded")
+        self.T = T = tokens or spec.tokens
+        self.dev = dev = torch.device("cuda")
+        self.inp = inp = ref.random_inputs(spec, tokens=T, device=dev, seed=int(time.time()) % 10000, routing=routing)
+        self.bm = self.plan.bm
+        self.cap = cap_rows(spec, self.bm, T)
+        self.b1 = inp.b1 if inp.b1 is not None else torch.zeros(1, 1, device=dev)
+        self.b2 = inp.b2 if inp.b2 is not None else torch.zeros(1, 1, device=dev)
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.xg = torch.empty((self.cap, spec.hidden), dtype=torch.bfloat16, device=dev) if "gather" in self.fn else None
+        self.fused = "fused" in self.fn
+        # (name, launch(w, num_ctas)) in order
+        if self.fused:
+            self.steps = [("routing", lambda w, n=None: self.k_routing(w)), ("fused", self.k_fused)]
+        else:
+            self.steps = [("routing", lambda w, n=None: self.k_routing(w)), ("gemm1", self.k_gemm1),
+                          ("gemm2", self.k_gemm2), ("combine", lambda w, n=None: self.k_combine(w))]
 
-    def ws():
+    def ws(self):
+        cap, tiles, dev = self.cap, self.cap // self.bm, self.dev
+        T, H, I, K, S = self.T, self.spec.hidden, self.spec.ffn, self.spec.topk, self.spec.shared_experts
         return dict(
             row_src=torch.full((cap,), -7, dtype=torch.int32, device=dev),
             row_w=torch.full((cap,), float("nan"), dtype=torch.float32, device=dev),
@@ -79,40 +92,63 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
             h=torch.full((cap, I), float("nan"), dtype=torch.bfloat16, device=dev),
             ys=torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=dev),
             y=torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+            sync=torch.full((4 + tiles,), 12345, dtype=torch.int32, device=dev).index_fill_(
+                0, torch.tensor([2], device=dev), 0),
         )
 
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    xg = torch.empty((cap, H), dtype=torch.bfloat16, device=dev) if "gather" in fn else None
+    def k_routing(self, w):
+        i = self.inp
+        extra = (w["sync"],) if self.fused else ()
+        self.fn["routing"](i.topk_idx, i.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"], *extra)
 
-    def gemm1(w, num_ctas):
-        a = inp.x
-        if xg is not None:
-            fn["gather"](inp.x, w["row_src"], w["meta"], xg)
-            a = xg
-        fn["gemm1"](a, inp.w1, b1, w["row_src"], w["tile_group"], w["meta"], w["h"], num_ctas)
+    def k_fused(self, w, num_ctas=None):
+        i = self.inp
+        self.fn["fused"](i.x, i.w1, self.b1, i.w2, self.b2, w["row_src"], w["row_w"], w["tile_group"], w["meta"],
+                         w["slot_pos"], w["h"], w["ys"], w["y"], w["sync"], num_ctas or self.sms)
 
-    def run(w, num_ctas=sms):
+    def k_gemm1(self, w, num_ctas=None):
+        a = self.inp.x
+        if self.xg is not None:
+            self.fn["gather"](self.inp.x, w["row_src"], w["meta"], self.xg)
+            a = self.xg
+        self.fn["gemm1"](a, self.inp.w1, self.b1, w["row_src"], w["tile_group"], w["meta"], w["h"], num_ctas or self.sms)
+
+    def k_gemm2(self, w, num_ctas=None):
+        self.fn["gemm2"](w["h"], self.inp.w2, self.b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], num_ctas or self.sms)
+
+    def k_combine(self, w):
+        self.fn["combine"](w["ys"], w["slot_pos"], w["y"])
+
+    def run(self, w, num_ctas=None):
+        import tvm_ffi
+
         with tvm_ffi.use_torch_stream():
-            fn["routing"](inp.topk_idx, inp.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"])
-            gemm1(w, num_ctas)
-            fn["gemm2"](w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], num_ctas)
-            fn["combine"](w["ys"], w["slot_pos"], w["y"])
+            for _, step in self.steps:
+                step(w, num_ctas)
+
+
+def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "random", time_it: bool = True):
+    import tvm_ffi
+
+    st = Setup(build_dir, spec_name, tokens, routing)
+    spec, inp, T, bm, sms = st.spec, st.inp, st.T, st.bm, st.sms
+    H, I, K, S = spec.hidden, spec.ffn, spec.topk, spec.shared_experts
+    b1, b2, ws = st.b1, st.b2, st.ws
+    run = st.run
 
     out = {"spec": spec_name, "tokens": T, "routing": routing, "build": str(build_dir)}
     w = ws()
     # first run step by step, so a hang or fault names its kernel
     t0 = time.time()
     with tvm_ffi.use_torch_stream():
-        for name, call in (
-            ("routing", lambda: fn["routing"](inp.topk_idx, inp.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"])),
-            ("gemm1", lambda: gemm1(w, sms)),
-            ("gemm2", lambda: fn["gemm2"](w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], sms)),
-            ("combine", lambda: fn["combine"](w["ys"], w["slot_pos"], w["y"])),
-        ):
+        for name, step in st.steps:
             log(f"{spec_name}: {name} launch")
-            call()
+            step(w, sms)
             torch.cuda.synchronize()
             log(f"{spec_name}: {name} done ({time.time() - t0:.2f} s)")
+    if st.fused:
+        out["sync"] = w["sync"][:4].tolist()
+        out["timeout_flag"] = int(w["sync"][2])
     # routing vs its reference (exact)
     r = ws()
     ref.ref_routing(inp.topk_idx, inp.topk_weight, r["row_src"], r["row_w"], r["tile_group"], r["meta"], r["slot_pos"],
@@ -153,10 +189,11 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
     if time_it:
         t = {}
         with tvm_ffi.use_torch_stream():
-            t["routing"] = median_ms(lambda: fn["routing"](inp.topk_idx, inp.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"]))
-            t["gemm1"] = median_ms(lambda: gemm1(w, sms))
-            t["gemm2"] = median_ms(lambda: fn["gemm2"](w["h"], inp.w2, b2, w["row_w"], w["tile_group"], w["meta"], w["ys"], sms))
-            t["combine"] = median_ms(lambda: fn["combine"](w["ys"], w["slot_pos"], w["y"]))
+            for i, (name, step) in enumerate(st.steps):
+                if i > 0 and st.fused:  # the fused kernel needs its counters zeroed by routing each time
+                    t[name] = median_ms(lambda: run(w)) - t["routing"]
+                else:
+                    t[name] = median_ms(lambda: step(w, sms))
         t["total"] = median_ms(lambda: run(w))
         # the same four launches replayed from a CUDA graph: launch gaps and host work removed
         graph = torch.cuda.CUDAGraph()
@@ -176,8 +213,11 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
         f1 = 2 * rows * 2 * I * H
         f2 = 2 * rows * I * H
         out["ms"] = t
-        out["tflops_gemm1"] = f1 / (t["gemm1"] * 1e-3) / 1e12
-        out["tflops_gemm2"] = f2 / (t["gemm2"] * 1e-3) / 1e12
+        if not st.fused:
+            out["tflops_gemm1"] = f1 / (t["gemm1"] * 1e-3) / 1e12
+            out["tflops_gemm2"] = f2 / (t["gemm2"] * 1e-3) / 1e12
+        else:
+            out["timeout_flag_after_timing"] = int(w["sync"][2])
         out["tflops_total"] = (f1 + f2) / (t["total"] * 1e-3) / 1e12
         out["tflops_total_graph"] = (f1 + f2) / (t["total_graph"] * 1e-3) / 1e12
     return out

@@ -1,0 +1,121 @@
+"""Is the chain penalty the clock? (kernel author's tool, GPU.) For each BUILD_DIR:SPEC, runs each kernel and the
+whole four-launch chain back to back for ``--seconds`` each, with ``nvidia-smi`` sampling SM clock, power and
+throttle reasons every 50 ms, and reports per phase: median ms (CUDA events), mean SM MHz, mean W, the throttle
+reasons seen. Also times each phase once more with an L2 flush (a 256 MB write) before every call.
+
+    python tools/probe_clocks.py BUILD_DIR:SPEC [...] [--seconds 1.5] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_check import Setup, log  # noqa: E402
+
+
+class Sampler:
+    def __init__(self):
+        self.p = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
+             "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.rows: list[tuple[float, float, float, float, str]] = []
+        import threading
+
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            parts = [x.strip() for x in line.split(",")]
+            try:
+                self.rows.append((time.time(), float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+            except (ValueError, IndexError):
+                pass
+
+    def window(self, t0, t1):
+        r = [x for x in self.rows if t0 <= x[0] <= t1]
+        if not r:
+            return {}
+        return {"sm_mhz": sum(x[1] for x in r) / len(r), "min_mhz": min(x[1] for x in r),
+                "watts": sum(x[2] for x in r) / len(r), "temp_c": max(x[3] for x in r),
+                "throttle": sorted({x[4] for x in r}), "samples": len(r)}
+
+    def stop(self):
+        self.p.terminate()
+
+
+def sustained(fn, seconds):
+    ts = []
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+        for a, b in evs:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        ts += [a.elapsed_time(b) for a, b in evs]
+    ts.sort()
+    return ts[len(ts) // 2], len(ts)
+
+
+def flushed(fn, reps=20):
+    junk = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    ts = []
+    for _ in range(reps):
+        junk.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main(argv=None):
+    import tvm_ffi
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("items", nargs="+")
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    sampler = Sampler()
+    time.sleep(0.3)
+    results = []
+    for item in a.items:
+        d, s = item.rsplit(":", 1)
+        st = Setup(Path(d), s, None)
+        w = st.ws()
+        st.run(w)
+        torch.cuda.synchronize()
+        res = {"build": d, "spec": s, "phases": {}}
+        phases = {} if st.fused else {"gemm1": lambda: st.k_gemm1(w), "gemm2": lambda: st.k_gemm2(w)}
+        phases["chain"] = lambda: [step(w) for _, step in st.steps]
+        with tvm_ffi.use_torch_stream():
+            for name, fn in phases.items():
+                time.sleep(0.5)  # let the clock recover between phases
+                t0 = time.time()
+                med, n = sustained(fn, a.seconds)
+                t1 = time.time()
+                res["phases"][name] = {"sustained_ms": med, "calls": n, **sampler.window(t0 + 0.2, t1),
+                                       "flushed_ms": flushed(fn)}
+                log(f"{s} {d} {name}: {json.dumps(res['phases'][name])}")
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    sampler.stop()
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
