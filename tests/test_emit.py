@@ -106,3 +106,21 @@ def test_variants_compile(tmp_path):
     assert (Path(art.dir) / "gather.ptx").is_file()
     art = _compile_all(emit(solve(spec, "sm_90a"), experimental=("gemm1_single_mma",)), tmp_path / "wide")
     assert "m64n256k16" in (Path(art.dir) / "gemm1.ptx").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kimi-k2", "gpt-oss-120b"])
+def test_fused_schedule_compiles(name, tmp_path):
+    """schedule "fused": routing (zeroing the counters) + one persistent kernel; its PTX has the single wide
+    wgmma, the TMA loads, the cp.async gather signalled through mbarriers, the task counter and the
+    acquire/release dependency counters with their timeout clock."""
+    pytest.importorskip("cutlass")
+    plan = solve(load_spec(name), "sm_90a", schedule="fused")
+    src = emit(plan)
+    assert sorted(src.files) == ["fused.py", "routing.py"]
+    art = _compile_all(src, tmp_path)
+    ptx = (Path(art.dir) / "fused.ptx").read_text()
+    for frag in (f"wgmma.mma_async.sync.aligned.m64n{plan.gemm2.bn}k16", "cp.async.bulk.tensor",
+                 "cp.async.mbarrier.arrive.noinc", "atom.global.add", "ld.acquire.gpu", "red.release.gpu",
+                 "globaltimer", "setmaxnreg"):
+        assert frag in ptx, frag

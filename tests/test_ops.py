@@ -299,6 +299,52 @@ def test_call_order_with_gather_kernel():
     assert rel_err(y.float(), y_ref) < 1e-2
 
 
+def test_call_order_fused_schedule():
+    """schedule "fused": routing (which also gets the sync counters) and one fused kernel."""
+    cfg = small(bias=True)
+    plan = SimpleNamespace(bm=BM, schedule="fused", gemm1=SimpleNamespace(a_load="gather"))
+    rec = Recorder(ref.reference_kernels(cfg, BM, fused=True))
+    moe = CompiledMoE(cfg, plan, functions=rec.fns, allow_cpu=True)
+    assert ops.kernels_of(plan) == ("routing", "fused")
+    a = good_args(cfg, T=20)
+    y = call(moe, a, num_ctas=66)
+    assert rec.names == ["routing", "fused"]
+    ws = moe.workspace("cpu", 20)
+    assert ws.sync.shape == (4 + ws.max_m_tiles,) and ws.sync.dtype == torch.int32
+    args = dict(rec.calls)
+    assert args["routing"][-1] is ws.sync
+    want = (a["x"], a["w1"], a["b1"], a["w2"], a["b2"], ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos,
+            ws.h, ws.ys, y, ws.sync, 66)
+    got = args["fused"]
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        assert g is e if isinstance(e, torch.Tensor) else g == e
+    y_ref = ref.forward(*[a[k] for k in ("x", "topk_idx", "topk_weight", "w1", "w2")], cfg, a["b1"], a["b2"])
+    assert rel_err(y.float(), y_ref) < 1e-2
+
+
+def test_fused_timeout_flag_raises():
+    """sync[2] set by the fused kernel (a wait ran out) -> KernelTimeoutError from check=True / check_errors."""
+    cfg = small()
+    plan = SimpleNamespace(bm=BM, schedule="fused", gemm1=SimpleNamespace(a_load="gather"))
+    fns = ref.reference_kernels(cfg, BM, fused=True)
+    inner = fns["fused"]
+
+    def timing_out(*args):
+        inner(*args)
+        args[13][2] = 1
+
+    fns["fused"] = timing_out
+    moe = CompiledMoE(cfg, plan, functions=fns, allow_cpu=True)
+    a = good_args(cfg, T=9)
+    with pytest.raises(ops.KernelTimeoutError, match="timed out"):
+        call(moe, a, check=True)
+    call(moe, a)
+    with pytest.raises(ops.KernelTimeoutError, match="T = \\[9\\]"):
+        moe.check_errors()
+    moe.check_errors()  # cleared
+
+
 CFGS = [small(), small(bias=True, shared=0), small("swiglu", 0.5, "interleaved", shared=2),
         small("swiglu_oai", None, "interleaved", bias=True), small(E=2, K=4, ep=1, shared=1)]
 

@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import math
 
 import pytest
@@ -147,3 +149,15 @@ def test_explain(name, arch):
 def test_explain_gpt_oss_tie_break():
     text = explain(solve(load_spec("gpt-oss-120b")))
     assert "memory bound" in text and "wins on compute time" in text
+
+
+def test_schedule_override():
+    spec = load_spec("kimi-k2")
+    assert solve(spec).schedule == "chain"
+    p = solve(spec, schedule="fused")
+    assert p.schedule == "fused" and p.gemm1.bn == p.gemm2.bn and spec.hidden % p.gemm2.bn == 0
+    assert Plan.from_dict(json.loads(p.canonical_json())) == p
+    with pytest.raises(PlanError, match="plan.schedule: must be one of"):
+        solve(spec, schedule="megakernel")
+    with pytest.raises(PlanError, match="'fused' needs"):
+        dataclasses.replace(solve(spec, gemm1_bn=128, gemm2_bn=256), schedule="fused")

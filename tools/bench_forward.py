@@ -458,8 +458,10 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
         t = Table(title=title)
         for i, h in enumerate(header):
             t.add_column(h, justify="left" if i < 2 else "right")
+        from rich.markup import escape
+
         for row in rows:
-            t.add_row(*row)
+            t.add_row(*(escape(c) for c in row))  # impl names like "mokgen[schedule=fused]" are not markup
         Console(width=max(120, Console().width)).print(t)
     except ImportError:
         widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]

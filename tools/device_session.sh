@@ -15,12 +15,12 @@ hung=""
 for b in $builds; do
   n=$(basename "${b%%:*}"); v=${n#*@}; [ "$v" = "$n" ] && v=default
   case " $hung " in *" $v "*) echo "kernel_check $b: skipped (variant $v hung before)"; continue;; esac
-  timeout "${CHECK_TIMEOUT:-60}" python3 tools/kernel_check.py "$b" --json "$OUT/check-$n.json" 2>"$OUT/check-$n.log" \
+  timeout "${CHECK_TIMEOUT:-60}" python3 tools/kernel_check.py "$b" --json "$OUT/check-${n//[@+]/_}.json" 2>"$OUT/check-${n//[@+]/_}.log" \
     | cut -c1-900
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || echo "kernel_check $b: exit $rc"
   [ "$rc" = 124 ] && hung="$hung $v"
-  tail -2 "$OUT/check-$n.log" | cut -c1-300
+  tail -2 "$OUT/check-${n//[@+]/_}.log" | cut -c1-300
 done
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py $BENCH_SPECS ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} \
