@@ -101,7 +101,9 @@ def _activation(spec: Any) -> tuple[str, float | None]:
 
 
 # Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
-EXPERIMENTS = ("gemm1_single_mma", "gemm1_gather_noinc")
+# Defaults measured faster on the H200 (bench/NOTES.md v2): GEMM 1 as one m64n(2*BN) wgmma over gate and up,
+# and the row gather signalled by cp.async.mbarrier.arrive.noinc. The experiments turn the older forms back on.
+EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag")
 
 
 def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -148,7 +150,7 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         bk=g.bk,
         stages=g.stages,
         epi_n=_EPI_N,
-        raster=g.raster_group,
+        raster=max(1, g.raster_group // g.cluster),  # panels in units of clusters: the same rows per panel
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
         a_gather=a_gather,
@@ -157,8 +159,9 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         consumer_regs=consumer_regs,
         activation=activation,
         act_limit=act_limit,
-        single_mma=which == 1 and "gemm1_single_mma" in experimental,
-        gather_noinc=a_gather and "gemm1_gather_noinc" in experimental,
+        single_mma=which == 1 and "gemm1_two_mma" not in experimental,
+        gather_noinc=a_gather and "gemm1_gather_lag" not in experimental,
+        cluster=g.cluster,
     )
 
 

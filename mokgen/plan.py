@@ -81,7 +81,9 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # benchmarked through the product path (bench/NOTES.md); tune / the gemm1_a_load override pick either.
 GEMM1_A_LOAD = "gather"
 A_LOADS = ("tma", "gather")
-OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule")
+OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
+             "cluster")
+CLUSTERS = (1, 2)
 # "chain": routing, GEMM 1, GEMM 2, combine as separate launches; "fused": routing, then one persistent kernel
 # for GEMM 1 + GEMM 2 + combine (templates/sm90/fused.py.j2), which needs gemm1.bn == gemm2.bn | hidden
 SCHEDULES = ("chain", "fused")
@@ -174,6 +176,7 @@ class GemmPlan:
     a_load: str  # "gather" (cp.async row gather, GEMM1) or "tma"
     n_tiles: int
     k_tiles: int
+    cluster: int = 1  # CTAs per cluster along M: 2 = pairs of M tiles share (multicast) their W tile
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -429,6 +432,13 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if not 1 <= r <= RASTER_OVERRIDE_MAX:
             raise PlanError(f"plan.raster_group: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
         gemms = {w: dataclasses.replace(g, raster_group=r) for w, g in gemms.items()}
+    if "cluster" in overrides:
+        c = _int_override("cluster", overrides["cluster"])
+        if c not in CLUSTERS:
+            raise PlanError(f"plan.cluster: must be one of {', '.join(map(str, CLUSTERS))}, got {c}")
+        if c > 1 and schedule == "fused":
+            raise PlanError("plan.cluster: the fused schedule runs one CTA per task (cluster 1)")
+        gemms = {w: dataclasses.replace(g, cluster=c) for w, g in gemms.items()}
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
     return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
 

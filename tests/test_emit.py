@@ -104,8 +104,9 @@ def test_variants_compile(tmp_path):
     art = _compile_all(emit(solve(spec, "sm_90a", gemm1_a_load="tma")), tmp_path / "tma")
     assert "cp.async.cg.shared.global" not in (Path(art.dir) / "gemm1.ptx").read_text()
     assert (Path(art.dir) / "gather.ptx").is_file()
-    art = _compile_all(emit(solve(spec, "sm_90a"), experimental=("gemm1_single_mma",)), tmp_path / "wide")
-    assert "m64n256k16" in (Path(art.dir) / "gemm1.ptx").read_text()
+    art = _compile_all(emit(solve(spec, "sm_90a"), experimental=("gemm1_two_mma", "gemm1_gather_lag")), tmp_path / "two")
+    ptx = (Path(art.dir) / "gemm1.ptx").read_text()
+    assert "m64n256k16" not in ptx and "m64n128k16" in ptx and "cp.async.mbarrier.arrive.noinc" not in ptx
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
     python tools/build_variants.py OUT_DIR SPEC[,SPEC...] VARIANT[,VARIANT...]
 
 Writes OUT_DIR/<spec>@<variant> (``default`` writes OUT_DIR/<spec>). A variant is a '+'-joined list of
-``emit`` experiments (``gemm1_single_mma``, ...) and plan overrides ``key=value`` (``gemm1_a_load=tma``), e.g.
-``gemm1_single_mma+gemm1_a_load=tma``. Short names: single, noinc, tma.
+``emit`` experiments (``gemm1_two_mma``, ...) and plan overrides ``key=value`` (``gemm1_a_load=tma``), e.g.
+``gemm1_two_mma+gemm1_a_load=tma``. Short names: twomma, lag, tma, cluster2.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mokgen import build, emit, plan  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
-SHORT = {"single": "gemm1_single_mma", "noinc": "gemm1_gather_noinc", "tma": "gemm1_a_load=tma"}
+SHORT = {"twomma": "gemm1_two_mma", "lag": "gemm1_gather_lag", "tma": "gemm1_a_load=tma", "cluster2": "cluster=2"}
 
 
 def parse_variant(v: str) -> tuple[tuple[str, ...], dict[str, object]]:

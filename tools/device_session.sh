@@ -15,12 +15,12 @@ hung=""
 for b in $builds; do
   n=$(basename "${b%%:*}"); v=${n#*@}; [ "$v" = "$n" ] && v=default
   case " $hung " in *" $v "*) echo "kernel_check $b: skipped (variant $v hung before)"; continue;; esac
-  timeout "${CHECK_TIMEOUT:-60}" python3 tools/kernel_check.py "$b" --json "$OUT/check-${n//[@+]/_}.json" 2>"$OUT/check-${n//[@+]/_}.log" \
+  # one JSON line per build on stdout -> checks.jsonl (the device returns few files: keep them few)
+  timeout "${CHECK_TIMEOUT:-60}" python3 tools/kernel_check.py "$b" 2>>"$OUT/checks.log" | tee -a "$OUT/checks.jsonl" \
     | cut -c1-900
   rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || echo "kernel_check $b: exit $rc"
+  [ "$rc" = 0 ] || { echo "kernel_check $b: exit $rc"; tail -3 "$OUT/checks.log" | cut -c1-300; }
   [ "$rc" = 124 ] && hung="$hung $v"
-  tail -2 "$OUT/check-${n//[@+]/_}.log" | cut -c1-300
 done
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py $BENCH_SPECS ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} \
@@ -30,5 +30,6 @@ if [ -n "$PROBE_BUILDS" ]; then
   timeout 120 python3 tools/probe_clocks.py $PROBE_BUILDS --json "$OUT/probe.json" 2>&1 | grep -v '^{' | cut -c1-400
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x tests/test_gpu_forward.py 2>&1 | tail -15
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x tests/test_gpu_forward.py >"$OUT/pytest.log" 2>&1
+  tail -15 "$OUT/pytest.log"
 fi
