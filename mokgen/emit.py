@@ -103,7 +103,7 @@ def _activation(spec: Any) -> tuple[str, float | None]:
 # Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
 # Defaults measured faster on the H200 (bench/NOTES.md v2): GEMM 1 as one m64n(2*BN) wgmma over gate and up,
 # and the row gather signalled by cp.async.mbarrier.arrive.noinc. The experiments turn the older forms back on.
-EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag")
+EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile")
 
 
 def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -226,7 +226,7 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     if fused:
         render("sm90/fused.py.j2", "fused",
                f"Fused MoE forward of {spec.name}: gathered GEMM 1 + SwiGLU, GEMM 2 + routing weight, combine",
-               **_fused_params(plan))
+               **_fused_params(plan), profile="fused_profile" in experimental)
         return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
     if plan.gemm1.a_load == "tma":
         render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128)

@@ -73,6 +73,8 @@ class Setup:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.xg = torch.empty((self.cap, spec.hidden), dtype=torch.bfloat16, device=dev) if "gather" in self.fn else None
         self.fused = "fused" in self.fn
+        src = build_dir / "sources" / "fused.py"
+        self.profile = self.fused and "PROFILE = True" in src.read_text()
         # (name, launch(w, num_ctas)) in order
         if self.fused:
             self.steps = [("routing", lambda w, n=None: self.k_routing(w)), ("fused", self.k_fused)]
@@ -92,8 +94,8 @@ class Setup:
             h=torch.full((cap, I), float("nan"), dtype=torch.bfloat16, device=dev),
             ys=torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=dev),
             y=torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
-            sync=torch.full((4 + tiles,), 12345, dtype=torch.int32, device=dev).index_fill_(
-                0, torch.tensor([2], device=dev), 0),
+            sync=torch.full((4 + tiles + (16 * self.sms if self.profile else 0),), 12345, dtype=torch.int32,
+                            device=dev).index_fill_(0, torch.tensor([2], device=dev), 0),
         )
 
     def k_routing(self, w):
@@ -127,6 +129,25 @@ class Setup:
                 step(w, num_ctas)
 
 
+PROFILE_FIELDS = ("start_mod_s", "producer_dep_wait", "consumer_starve", "mainloop", "epilogue", "combine_wait",
+                  "combine_work", "consumer_total", "g1_tiles", "g2_tiles", "combine_tasks", "producer_total")
+
+
+def profile_summary(sync: torch.Tensor, grid: int) -> dict:
+    """The fused kernel's PROFILE region (16 int32 per CTA) -> mean / max over CTAs (times in us)."""
+    p = sync[-16 * grid:].view(grid, 16)[:, :len(PROFILE_FIELDS)].double().cpu()
+    out = {}
+    for i, name in enumerate(PROFILE_FIELDS):
+        col = p[:, i]
+        if name == "start_mod_s":
+            out["start_skew_us"] = float(col.max() - col.min()) / 1e3
+        elif name.endswith("tiles") or name.endswith("tasks"):
+            out[name] = [int(col.min()), int(col.max()), int(col.sum())]
+        else:
+            out[name + "_us"] = [round(float(col.mean()) / 1e3, 1), round(float(col.max()) / 1e3, 1)]
+    return out
+
+
 def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "random", time_it: bool = True):
     import tvm_ffi
 
@@ -149,6 +170,8 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
     if st.fused:
         out["sync"] = w["sync"][:4].tolist()
         out["timeout_flag"] = int(w["sync"][2])
+    if st.profile:
+        out["profile"] = profile_summary(w["sync"], sms)
     # routing vs its reference (exact)
     r = ws()
     ref.ref_routing(inp.topk_idx, inp.topk_weight, r["row_src"], r["row_w"], r["tile_group"], r["meta"], r["slot_pos"],
