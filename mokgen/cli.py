@@ -96,8 +96,19 @@ def _arch(args: argparse.Namespace) -> str:
     return resolve_arch(getattr(args, "arch", None))
 
 
-def _solve(spec: Any, arch: str) -> Any:
-    return _need("mokgen.plan", "solve").solve(spec, arch)
+def _overrides(items: list[str] | None) -> dict[str, Any]:
+    """``--set key=value`` (repeatable) -> plan overrides; integers are converted."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CLIError(f"--set: expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
+def _solve(spec: Any, arch: str, sets: list[str] | None = None) -> Any:
+    return _need("mokgen.plan", "solve").solve(spec, arch, **_overrides(sets))
 
 
 def _emit(plan: Any) -> Any:
@@ -141,7 +152,7 @@ def cmd_specs(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec)
     arch = _arch(args)
-    plan = _solve(spec, arch)
+    plan = _solve(spec, arch, args.set)
     if args.json:
         _out(json.dumps(_to_dict(plan), indent=2, sort_keys=True))
         return 0
@@ -187,7 +198,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     spec = _load_spec(args.spec)
     arch = _arch(args)
-    plan = _solve(spec, arch)
+    plan = _solve(spec, arch, args.set)
     sources = _emit(plan)
     key = cache.key_for(sources, arch)
     cached = not args.force and cache.lookup(key, arch) is not None
@@ -294,6 +305,7 @@ def make_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--explain", action="store_true", help="explain why this plan was chosen")
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="plan override (repeatable), e.g. schedule=fused, cluster=2, gemm1_bn=128")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("emit", help="write the generated kernel sources to a directory")
@@ -308,6 +320,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N", help="parallel compiles (default: ninja's)")
     p.add_argument("--force", action="store_true", help="rebuild even if the cache has the entry")
     p.add_argument("--quiet", "-q", action="store_true", help="no build progress")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="plan override (repeatable), e.g. schedule=fused, cluster=2, gemm1_bn=128")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("cache", help="inspect and move the kernel cache")

@@ -283,3 +283,18 @@ def test_cli_specs_plan_emit(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     written = sorted(p.name for p in (tmp_path / "src").iterdir())
     assert "gemm1.py" in written and set(build.kernel_files(
         {n: (tmp_path / "src" / n).read_text() for n in written})) >= {"routing", "gemm1", "gemm2", "combine"}
+
+
+def test_cli_plan_overrides(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from mokgen.cli import main
+
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--json", "--set", "schedule=fused"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == "fused"
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--json", "--set", "cluster=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["gemm2"]["cluster"] == 2
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--set", "cluster=3"]) == 2
+    assert "plan.cluster: must be one of 1, 2" in capsys.readouterr().err
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--set", "schedule"]) == 2
+    assert "--set: expected KEY=VALUE" in capsys.readouterr().err
