@@ -103,7 +103,7 @@ def _activation(spec: Any) -> tuple[str, float | None]:
 # Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
 # Defaults measured faster on the H200 (bench/NOTES.md v2): GEMM 1 as one m64n(2*BN) wgmma over gate and up,
 # and the row gather signalled by cp.async.mbarrier.arrive.noinc. The experiments turn the older forms back on.
-EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile")
+EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile", "fused_epi_tma")
 
 
 def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -171,7 +171,7 @@ FUSED_TIMEOUT_NS = 2_000_000_000
 FUSED_TOK_PER_TASK = 8
 
 
-def _fused_params(plan: Plan) -> dict[str, Any]:
+def _fused_params(plan: Plan, epi_tma: bool = False) -> dict[str, Any]:
     spec = plan.spec
     g1, g2 = plan.gemm1, plan.gemm2
     H, I = spec.hidden, spec.ffn
@@ -183,6 +183,8 @@ def _fused_params(plan: Plan) -> dict[str, Any]:
         raise EmitError(f"plan: the fused kernel needs one bk dividing hidden and ffn, got {g1.bk}/{g2.bk}")
     stages = min(g1.stages, g2.stages)
     smem = stages * (plan.bm * g1.bk + g2.bn * g1.bk) * 2 + _SMEM_BARRIERS
+    if epi_tma:
+        smem += plan.bm * _EPI_N * 2 * _EPI_STAGES
     from .plan import get_arch
 
     limit = get_arch(plan.arch).smem_per_cta
@@ -226,7 +228,8 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     if fused:
         render("sm90/fused.py.j2", "fused",
                f"Fused MoE forward of {spec.name}: gathered GEMM 1 + SwiGLU, GEMM 2 + routing weight, combine",
-               **_fused_params(plan), profile="fused_profile" in experimental)
+               **_fused_params(plan, "fused_epi_tma" in experimental),
+               profile="fused_profile" in experimental, epi_tma="fused_epi_tma" in experimental)
         return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
     if plan.gemm1.a_load == "tma":
         render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128)
