@@ -103,7 +103,7 @@ def _activation(spec: Any) -> tuple[str, float | None]:
 # Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
 # Defaults measured faster on the H200 (bench/NOTES.md v2): GEMM 1 as one m64n(2*BN) wgmma over gate and up,
 # and the row gather signalled by cp.async.mbarrier.arrive.noinc. The experiments turn the older forms back on.
-EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile", "fused_epi_tma")
+EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile", "fused_epi_tma", "epi_buffers4", "epi_n64")
 
 
 def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -127,7 +127,9 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
     a_gather = which == 1 and g.a_load == "gather"
     producer_regs, consumer_regs = _REGS["gather" if a_gather else "tma"]
     stage_bytes = (plan.bm * g.bk + parts * bn * g.bk) * 2
-    smem = g.stages * stage_bytes + plan.bm * _EPI_N * 2 * _EPI_STAGES + _SMEM_BARRIERS
+    epi_n = 64 if "epi_n64" in experimental and bn % 64 == 0 else _EPI_N
+    epi_stages = 4 if "epi_buffers4" in experimental else _EPI_STAGES
+    smem = g.stages * stage_bytes + plan.bm * epi_n * 2 * epi_stages + _SMEM_BARRIERS
     from .plan import get_arch
 
     limit = get_arch(plan.arch).smem_per_cta
@@ -149,7 +151,8 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         bn=bn,
         bk=g.bk,
         stages=g.stages,
-        epi_n=_EPI_N,
+        epi_n=epi_n,
+        epi_stages=epi_stages,
         raster=max(1, g.raster_group // g.cluster),  # panels in units of clusters: the same rows per panel
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
@@ -236,7 +239,7 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1, experimental))
     render("sm90/grouped_gemm.py.j2", "gemm2",
-           f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2))
+           f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2, experimental))
     render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
            slots=spec.topk + spec.shared_experts, threads=128)
     return Sources(spec=spec, plan=plan, template_hash=thash, files=files)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mokgen import build, emit, plan  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
-SHORT = {"twomma": "gemm1_two_mma", "lag": "gemm1_gather_lag", "tma": "gemm1_a_load=tma", "cluster2": "cluster=2"}
+SHORT = {"twomma": "gemm1_two_mma", "lag": "gemm1_gather_lag", "tma": "gemm1_a_load=tma", "cluster2": "cluster=2", "epi4": "epi_buffers4", "epin64": "epi_n64"}
 
 
 def parse_variant(v: str) -> tuple[tuple[str, ...], dict[str, object]]:
