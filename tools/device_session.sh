@@ -7,6 +7,7 @@
 #   BENCH_SPECS    presets for tools/bench_forward.py (default: its six)   BENCH_VARIANTS  its --variants
 #   PROBE_BUILDS   "DIR:SPEC ..." for tools/probe_clocks.py (default: none)
 #   GPU_TESTS      1: run tests/test_gpu_forward.py (MOKGEN_GPU_PRESETS / MOKGEN_GPU_OVERRIDES pass through)
+#   GPU_TESTS_FUSED_PRESETS  presets to run that suite on with schedule=fused as well
 source tools/device_env.sh || exit 1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
@@ -32,4 +33,9 @@ fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x tests/test_gpu_forward.py >"$OUT/pytest.log" 2>&1
   tail -15 "$OUT/pytest.log"
+fi
+if [ -n "$GPU_TESTS_FUSED_PRESETS" ]; then  # the same suite on the fused schedule
+  MOKGEN_GPU_PRESETS=$GPU_TESTS_FUSED_PRESETS MOKGEN_GPU_OVERRIDES=schedule=fused timeout "${TEST_TIMEOUT:-150}" \
+    python3 -m pytest -q -x tests/test_gpu_forward.py >"$OUT/pytest-fused.log" 2>&1
+  tail -15 "$OUT/pytest-fused.log"
 fi
