@@ -536,6 +536,11 @@ def explain(plan: Plan, top: int = 5) -> str:
         f"  N/BN = min({plan.gemm1.n_tiles}, {plan.gemm2.n_tiles}) = {n_min}, C = {arch.sms}: "
         f"chunk_rows = {plan.bm} * ceil({2 * arch.sms}/{n_min}) = {plan.chunk_rows} "
         f"({plan.chunk_rows // plan.bm * n_min} tiles >= {2 * arch.sms})",
+        f"schedule: {plan.schedule} ("
+        + ("routing, GEMM 1, GEMM 2, combine as four persistent launches; the default: on the H200 it measured "
+           "faster than the fused kernel on all six benchmark shapes, bench/NOTES.md v2)" if plan.schedule == "chain"
+           else "routing, then one persistent kernel claiming G1/G2/combine tasks chunk by chunk)")
+        + f"; W-tile clusters: {plan.gemm1.cluster}",
         f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
         f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
         f"max_m_tiles = {plan.max_m_tiles}",
