@@ -168,8 +168,8 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
     )
 
 
-# int32 counters ahead of the per-M-tile ones in the fused kernel's sync workspace (fused.py.j2, SYNC_DONE1)
-FUSED_SYNC_HEAD = 4
+# the fused kernel's bounded waits (fused.py.j2 wait_count) and combine granularity; its sync workspace layout
+# is mokgen.ops.FUSED_SYNC_HEAD + max_m_tiles
 FUSED_TIMEOUT_NS = 2_000_000_000
 FUSED_TOK_PER_TASK = 8
 

@@ -431,7 +431,9 @@ class CompiledMoE:
         earlier = self._unchecked_errors
         self._unchecked_errors = 0
         if timed_out:
-            raise KernelTimeoutError(self._timeout_msg() + f" (T = {sorted(set(timed_out))})")
+            also = (" Routing errors were also flagged (T = "
+                    f"{sorted(set(bad_T))})." if bad_T or earlier else "")
+            raise KernelTimeoutError(self._timeout_msg() + f" (T = {sorted(set(timed_out))}).{also}")
         if bad_T or earlier:
             where = f" (T = {sorted(set(bad_T))})" if bad_T else ""
             raise RoutingError(

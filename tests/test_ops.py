@@ -340,7 +340,7 @@ def test_fused_timeout_flag_raises():
     with pytest.raises(ops.KernelTimeoutError, match="timed out"):
         call(moe, a, check=True)
     call(moe, a)
-    with pytest.raises(ops.KernelTimeoutError, match="T = \\[9\\]"):
+    with pytest.raises(ops.KernelTimeoutError, match=r"T = \[9\]"):
         moe.check_errors()
     moe.check_errors()  # cleared
 
