@@ -106,6 +106,20 @@ def _activation(spec: Any) -> tuple[str, float | None]:
 EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile", "fused_epi_tma", "epi_buffers4", "epi_n64")
 
 
+def _w1_strides(spec: Any) -> tuple[int, int]:
+    """(elements between W1's output rows, between its gate and up blocks) for the spec's gate/up layout."""
+    H, I = spec.hidden, spec.ffn
+    return (H, I * H) if spec.gate_up_layout == "concat" else (2 * H, H)
+
+
+def _check_smem(plan: Plan, smem: int, what: str) -> None:
+    from .plan import get_arch
+
+    limit = get_arch(plan.arch).smem_per_cta
+    if smem > limit:
+        raise EmitError(f"{what} need {smem} bytes of shared memory, limit {limit}")
+
+
 def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
     spec = plan.spec
     g = plan.gemm1 if which == 1 else plan.gemm2
@@ -115,10 +129,7 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
             raise EmitError(f"plan.gemm1.bn: must be even (gate and up halves), got {g.bn}")
         bn = g.bn // 2
         n_out, k_dim, parts = I, H, 2
-        if spec.gate_up_layout == "concat":
-            n_stride, p_stride = H, I * H
-        else:
-            n_stride, p_stride = 2 * H, H
+        n_stride, p_stride = _w1_strides(spec)
         g_stride = 2 * I * H
     else:
         bn = g.bn
@@ -130,11 +141,7 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
     epi_n = 64 if "epi_n64" in experimental and bn % 64 == 0 else _EPI_N
     epi_stages = 4 if "epi_buffers4" in experimental else _EPI_STAGES
     smem = g.stages * stage_bytes + plan.bm * epi_n * 2 * epi_stages + _SMEM_BARRIERS
-    from .plan import get_arch
-
-    limit = get_arch(plan.arch).smem_per_cta
-    if smem > limit:
-        raise EmitError(f"plan.gemm{which}: {g.stages} stages need {smem} bytes of shared memory, limit {limit}")
+    _check_smem(plan, smem, f"plan.gemm{which}: {g.stages} stages")
     if k_dim % g.bk:
         raise EmitError(f"plan.gemm{which}.bk: {g.bk} does not divide K={k_dim}")
     activation, act_limit = _activation(spec)
@@ -188,15 +195,8 @@ def _fused_params(plan: Plan, epi_tma: bool = False) -> dict[str, Any]:
     smem = stages * (plan.bm * g1.bk + g2.bn * g1.bk) * 2 + _SMEM_BARRIERS
     if epi_tma:
         smem += plan.bm * _EPI_N * 2 * _EPI_STAGES
-    from .plan import get_arch
-
-    limit = get_arch(plan.arch).smem_per_cta
-    if smem > limit:
-        raise EmitError(f"plan: {stages} fused stages need {smem} bytes of shared memory, limit {limit}")
-    if spec.gate_up_layout == "concat":
-        n_stride, p_stride = H, I * H
-    else:
-        n_stride, p_stride = 2 * H, H
+    _check_smem(plan, smem, f"plan: {stages} fused stages")
+    n_stride, p_stride = _w1_strides(spec)
     activation, act_limit = _activation(spec)
     producer_regs, consumer_regs = _REGS["gather"]
     return dict(

@@ -186,6 +186,11 @@ class GemmPlan:
         return cls(**_fields(cls, data, "plan.gemm"))
 
 
+def fused_tiles_ok(spec: Spec, g1: GemmPlan, g2: GemmPlan) -> bool:
+    """The fused kernel shares one B operand of bn rows between its GEMMs: gemm1.bn == gemm2.bn | hidden."""
+    return g1.bn == g2.bn and spec.hidden % g2.bn == 0
+
+
 @dataclass(frozen=True)
 class Plan:
     spec: Spec
@@ -207,7 +212,7 @@ class Plan:
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule == "fused":
-            if self.gemm1.bn != self.gemm2.bn or self.spec.hidden % self.gemm2.bn or self.gemm1.a_load != "gather":
+            if not fused_tiles_ok(self.spec, self.gemm1, self.gemm2) or self.gemm1.a_load != "gather":
                 raise PlanError(
                     f"plan.schedule: 'fused' needs gemm1.bn == gemm2.bn dividing hidden {self.spec.hidden} and "
                     f"gemm1.a_load 'gather', got bn {self.gemm1.bn}/{self.gemm2.bn}, a_load {self.gemm1.a_load!r}")
@@ -402,7 +407,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
     def fits(p: Plan) -> bool:
-        return schedule == "chain" or (p.gemm1.bn == p.gemm2.bn and spec.hidden % p.gemm2.bn == 0)
+        return schedule == "chain" or fused_tiles_ok(spec, p.gemm1, p.gemm2)
 
     best = next(
         (p for p in candidates(spec, arch)

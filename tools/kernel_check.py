@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mokgen import reference as ref  # noqa: E402
+from mokgen.ops import FUSED_SYNC_HEAD  # noqa: E402
 from mokgen.plan import cap_rows, solve  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
@@ -94,7 +95,7 @@ class Setup:
             h=torch.full((cap, I), float("nan"), dtype=torch.bfloat16, device=dev),
             ys=torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=dev),
             y=torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
-            sync=torch.full((4 + tiles + (16 * self.sms if self.profile else 0),), 12345, dtype=torch.int32,
+            sync=torch.full((FUSED_SYNC_HEAD + tiles + (16 * self.sms if self.profile else 0),), 12345, dtype=torch.int32,
                             device=dev).index_fill_(0, torch.tensor([2], device=dev), 0),
         )
 
