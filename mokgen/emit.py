@@ -137,10 +137,15 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         n_stride, p_stride, g_stride = I, H * I, H * I
     a_gather = which == 1 and g.a_load == "gather"
     producer_regs, consumer_regs = _REGS["gather" if a_gather else "tma"]
-    stage_bytes = (plan.bm * g.bk + parts * bn * g.bk) * 2
+    pingpong = g.consumer == "pingpong"
+    tile_m = g.tile_m
+    if plan.bm % tile_m:
+        raise EmitError(f"plan.gemm{which}: tile rows {tile_m} do not divide the routing tile {plan.bm}")
+    stage_bytes = (tile_m * g.bk + parts * bn * g.bk) * 2
     epi_n = 64 if "epi_n64" in experimental and bn % 64 == 0 else _EPI_N
     epi_stages = 4 if "epi_buffers4" in experimental else _EPI_STAGES
-    smem = g.stages * stage_bytes + plan.bm * epi_n * 2 * epi_stages + _SMEM_BARRIERS
+    epi_sets = 2 if pingpong else 1  # ping-pong: each consumer warpgroup has its own epilogue buffers
+    smem = g.stages * stage_bytes + epi_sets * tile_m * epi_n * 2 * epi_stages + _SMEM_BARRIERS
     _check_smem(plan, smem, f"plan.gemm{which}: {g.stages} stages")
     if k_dim % g.bk:
         raise EmitError(f"plan.gemm{which}.bk: {g.bk} does not divide K={k_dim}")
@@ -154,13 +159,16 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         p_stride=p_stride,
         g_stride=g_stride,
         has_bias=bool(spec.bias),
-        bm=plan.bm,
+        bm=tile_m,
+        group_m=plan.bm,
+        pingpong=pingpong,
         bn=bn,
         bk=g.bk,
         stages=g.stages,
         epi_n=epi_n,
         epi_stages=epi_stages,
-        raster=max(1, g.raster_group // g.cluster),  # panels in units of clusters: the same rows per panel
+        # panels in units of clusters of tiles: the same rows per panel whatever the tile and cluster
+        raster=max(1, g.raster_group * (plan.bm // tile_m) // g.cluster),
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
         a_gather=a_gather,

@@ -82,8 +82,12 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 GEMM1_A_LOAD = "gather"
 A_LOADS = ("tma", "gather")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
-             "cluster")
+             "cluster", "consumer", "gemm1_consumer", "gemm2_consumer")
 CLUSTERS = (1, 2)
+# How the two consumer warpgroups share the work: "cooperative" = both on one 128-row tile (64 rows each);
+# "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
+# mainloop keeps the tensor cores busy (W tiles are then loaded once per 64 rows instead of 128).
+CONSUMERS = ("cooperative", "pingpong")
 # "chain": routing, GEMM 1, GEMM 2, combine as separate launches; "fused": routing, then one persistent kernel
 # for GEMM 1 + GEMM 2 + combine (templates/sm90/fused.py.j2), which needs gemm1.bn == gemm2.bn | hidden
 SCHEDULES = ("chain", "fused")
@@ -108,17 +112,23 @@ def _epi_bytes() -> int:
     return EPI_M * EPI_N * ELEM_BYTES * EPI_BUFFERS
 
 
-def _stage_bytes(bn: int) -> int:
-    return int(STAGE_BYTES.subs({_bk: BK, _bm: BM, _bn: bn}))
+def _tile_m(consumer: str) -> int:
+    """Rows of A per pipeline stage: the whole M tile (cooperative) or one warpgroup's half of it (pingpong)."""
+    return BM if consumer == "cooperative" else BM // CONSUMER_WGS
 
 
-def _stages_bound(arch: Arch, bn: int) -> sp.Rational:
-    values = {_smem: arch.smem_per_cta, _epi: _epi_bytes(), _bar: BARRIER_BYTES, _bk: BK, _bm: BM, _bn: bn}
+def _stage_bytes(bn: int, consumer: str = "cooperative") -> int:
+    return int(STAGE_BYTES.subs({_bk: BK, _bm: _tile_m(consumer), _bn: bn}))
+
+
+def _stages_bound(arch: Arch, bn: int, consumer: str = "cooperative") -> sp.Rational:
+    values = {_smem: arch.smem_per_cta, _epi: _epi_bytes(), _bar: BARRIER_BYTES, _bk: BK, _bm: _tile_m(consumer),
+              _bn: bn}
     return STAGES_FIT.subs(values)
 
 
-def _stages_fit(arch: Arch, bn: int) -> int:
-    return int(sp.floor(_stages_bound(arch, bn)))
+def _stages_fit(arch: Arch, bn: int, consumer: str = "cooperative") -> int:
+    return int(sp.floor(_stages_bound(arch, bn, consumer)))
 
 
 def _consumer_regs(arch: Arch) -> int:
@@ -177,6 +187,12 @@ class GemmPlan:
     n_tiles: int
     k_tiles: int
     cluster: int = 1  # CTAs per cluster along M: 2 = pairs of M tiles share (multicast) their W tile
+    consumer: str = "cooperative"  # see CONSUMERS
+
+    @property
+    def tile_m(self) -> int:
+        """Rows per tile of the persistent loop (and per pipeline stage)."""
+        return _tile_m(self.consumer)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -216,6 +232,11 @@ class Plan:
                 raise PlanError(
                     f"plan.schedule: 'fused' needs gemm1.bn == gemm2.bn dividing hidden {self.spec.hidden} and "
                     f"gemm1.a_load 'gather', got bn {self.gemm1.bn}/{self.gemm2.bn}, a_load {self.gemm1.a_load!r}")
+        if "pingpong" in (self.gemm1.consumer, self.gemm2.consumer) and self.schedule == "fused":
+            raise PlanError("plan.consumer: the fused schedule's tiles are cooperative (128 rows per task)")
+        for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
+            if g.consumer not in CONSUMERS:
+                raise PlanError(f"plan.{name}.consumer: must be one of {', '.join(CONSUMERS)}, got {g.consumer!r}")
         if not self.gemm1.bm == self.gemm2.bm == self.bm:
             raise PlanError(
                 f"plan.bm: GEMM1 and GEMM2 must share the M tile, got {self.gemm1.bm}, {self.gemm2.bm}, {self.bm}")
@@ -419,10 +440,24 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if not overrides:
         return best
     gemms = {1: best.gemm1, 2: best.gemm2}
+    for which in (1, 2):
+        mode = overrides.get(f"gemm{which}_consumer", overrides.get("consumer"))
+        if mode is None:
+            continue
+        key = f"gemm{which}_consumer" if f"gemm{which}_consumer" in overrides else "consumer"
+        if mode not in CONSUMERS:
+            raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {mode!r}")
+        if mode != "cooperative" and schedule == "fused":
+            raise PlanError(f"plan.{key}: the fused schedule's tiles are cooperative (128 rows per task)")
+        g = gemms[which]
+        stages = g.stages
+        if f"gemm{which}_stages" not in overrides:  # smaller stages: as many as now fit
+            stages = min(MAX_STAGES, _stages_fit(a, g.bn, mode))
+        gemms[which] = dataclasses.replace(g, consumer=mode, stages=stages)
     for which, g in gemms.items():
         key = f"gemm{which}_stages"
         if key in overrides:
-            stages, most = _int_override(key, overrides[key]), min(MAX_STAGES, _stages_fit(a, g.bn))
+            stages, most = _int_override(key, overrides[key]), min(MAX_STAGES, _stages_fit(a, g.bn, g.consumer))
             if not MIN_STAGES <= stages <= most:
                 raise PlanError(
                     f"plan.{key}: must be in [{MIN_STAGES}, {most}] for bn {g.bn} on {a.name}, got {stages}")
@@ -462,13 +497,13 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         bn_rule = f"hidden {n} % {g.bn} = {n % g.bn}: the last N tile is partial (N efficiency {_pct(c.n_eff)})"
     else:
         bn_rule = f"hidden {n} % {g.bn} = 0"
-    stage = _stage_bytes(g.bn)
-    fit = _stages_bound(arch, g.bn)
+    stage = _stage_bytes(g.bn, g.consumer)
+    fit = _stages_bound(arch, g.bn, g.consumer)
     used = g.stages * stage + _epi_bytes() + BARRIER_BYTES
     r_fit = _raster_bound(arch, k, g.bn)
     waves = c.tiles / arch.sms
     return [
-        f"{title}: N = {n}, K = {k}, A by {g.a_load}",
+        f"{title}: N = {n}, K = {k}, A by {g.a_load}, consumers {g.consumer} ({g.tile_m}-row tiles)",
         f"  bn = {g.bn}: {bn_rule}",
         f"  smem per stage = {STAGE_BYTES} = {stage} B; epilogue {EPI_M}x{EPI_N} x2 buffers = {_epi_bytes()} B; "
         f"barriers {BARRIER_BYTES} B",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -125,3 +126,22 @@ def test_fused_schedule_compiles(name, tmp_path):
                  "cp.async.mbarrier.arrive.noinc", "atom.global.add", "ld.acquire.gpu", "red.release.gpu",
                  "globaltimer", "setmaxnreg"):
         assert frag in ptx, frag
+
+
+@pytest.mark.slow
+def test_pingpong_compiles(tmp_path):
+    """consumer "pingpong": each consumer warpgroup on its own 64-row tile with its own epilogue buffers and
+    named barrier; the W tiles are still loaded by TMA and the rows of x gathered by cp.async."""
+    pytest.importorskip("cutlass")
+    plan = solve(load_spec("glm-5"), "sm_90a", consumer="pingpong")
+    src = emit(plan)
+    assert "PINGPONG = True" in src.files["gemm1.py"] and "BM = 64 " in src.files["gemm2.py"]
+    art = _compile_all(src, tmp_path)
+    for k in ("gemm1", "gemm2"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        bn = plan.gemm1.bn if k == "gemm1" else plan.gemm2.bn
+        for frag in (f"wgmma.mma_async.sync.aligned.m64n{bn}k16", "cp.async.bulk.tensor", "setmaxnreg",
+                     "stmatrix"):
+            assert frag in ptx, (k, frag)
+        assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx), k  # a warpgroup's own epilogue barrier
+    assert "cp.async.cg.shared.global" in (Path(art.dir) / "gemm1.ptx").read_text()

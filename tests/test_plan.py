@@ -161,3 +161,24 @@ def test_schedule_override():
         solve(spec, schedule="megakernel")
     with pytest.raises(PlanError, match="'fused' needs"):
         dataclasses.replace(solve(spec, gemm1_bn=128, gemm2_bn=256), schedule="fused")
+
+
+def test_consumer_override():
+    spec = load_spec("kimi-k2")
+    base = solve(spec)
+    assert base.gemm1.consumer == base.gemm2.consumer == "cooperative" and base.gemm1.tile_m == 128
+    p = solve(spec, consumer="pingpong")
+    for g, b in ((p.gemm1, base.gemm1), (p.gemm2, base.gemm2)):
+        assert g.consumer == "pingpong" and g.tile_m == 64 and g.bn == b.bn
+        assert g.stages >= b.stages  # 64-row stages are smaller: at least as many fit
+    assert p.bm == 128  # the routing tile does not change
+    assert Plan.from_dict(json.loads(p.canonical_json())) == p
+    assert "consumers pingpong (64-row tiles)" in explain(p)
+    one = solve(spec, gemm2_consumer="pingpong", gemm2_stages=3)
+    assert (one.gemm1.consumer, one.gemm2.consumer, one.gemm2.stages) == ("cooperative", "pingpong", 3)
+    with pytest.raises(PlanError, match=r"^plan.consumer: must be one of cooperative, pingpong"):
+        solve(spec, consumer="stream-k")
+    with pytest.raises(PlanError, match=r"^plan.gemm1_consumer: the fused schedule"):
+        solve(spec, schedule="fused", gemm1_consumer="pingpong")
+    with pytest.raises(PlanError, match=r"^plan.consumer: the fused schedule"):
+        dataclasses.replace(p, schedule="fused")

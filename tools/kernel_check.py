@@ -1,6 +1,7 @@
 """Kernel-by-kernel check and timing of built mokgen artifacts on a GPU (the kernel author's tool).
 
     python tools/kernel_check.py BUILD_DIR:SPEC [BUILD_DIR:SPEC ...] [--tokens N] [--json OUT.json]
+    python tools/kernel_check.py SPEC[@KEY=VALUE+KEY=VALUE...] ...     (the cache entry of that plan)
 
 For each built ``libmokgen.so`` (``mokgen compile`` output or a cache entry) and its spec: fresh random inputs,
 poisoned workspaces, each kernel's output checked against its torch reference (``mokgen.reference.ref_*``):
@@ -247,9 +248,30 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
     return out
 
 
+def parse_overrides(text: str) -> dict[str, object]:
+    """"k=v+k=v" -> plan overrides (integers where the value is one)."""
+    out: dict[str, object] = {}
+    for part in filter(None, text.split("+")):
+        k, v = part.split("=", 1)
+        out[k] = int(v) if v.isdigit() else v
+    return out
+
+
+def cache_entry(item: str) -> Path:
+    """The cache entry directory of "SPEC[@k=v+k=v]" (built here, or unpacked from a pack)."""
+    from mokgen import cache, emit
+
+    name, _, ov = item.partition("@")
+    sources = emit.emit(solve(load_spec(name), "sm_90a", **parse_overrides(ov)))
+    entry = cache.find(sources, "sm_90a")
+    if entry is None:
+        raise FileNotFoundError(f"{item}: no cache entry for this plan (build it with tools/prebuild.py)")
+    return Path(entry)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("items", nargs="+", help="BUILD_DIR:SPEC")
+    ap.add_argument("items", nargs="+", help="BUILD_DIR:SPEC or SPEC[@k=v+k=v]")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--routing", default="random")
     ap.add_argument("--json", default=None)
@@ -257,14 +279,18 @@ def main(argv=None):
     a = ap.parse_args(argv)
     results = []
     for item in a.items:
-        d, s = item.rsplit(":", 1)
         try:
+            if ":" in item:
+                d, s = item.rsplit(":", 1)
+            else:
+                s, d = item.split("@", 1)[0], str(cache_entry(item))
             res = check(Path(d), s, a.tokens, a.routing, time_it=not a.no_time)
+            res["item"] = item
         except Exception as e:  # report and go on with the next build
             import traceback
 
             traceback.print_exc()
-            res = {"spec": s, "error": f"{type(e).__name__}: {e}"}
+            res = {"spec": item.split(":")[-1].split("@")[0], "item": item, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(res), flush=True)
         results.append(res)
     if a.json:
