@@ -23,6 +23,29 @@ for b in $builds; do
   [ "$rc" = 0 ] || { echo "kernel_check $b: exit $rc"; tail -3 "$OUT/checks.log" | cut -c1-300; }
   [ "$rc" = 124 ] && hung="$hung $v"
 done
+if [ -n "$BENCH_VARIANTS" ] && [ -s "$OUT/checks.jsonl" ]; then
+  # a variant that failed kernel_check (an error, a timeout, NaN, wrong or non-deterministic output) is not
+  # benchmarked: a crashed kernel takes the benchmark's CUDA context, and every shape after it, down with it
+  BENCH_VARIANTS=$(python3 - "$OUT/checks.jsonl" "$BENCH_VARIANTS" "$hung" <<'PY'
+import json, sys
+checks = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+hung = {",".join(sorted(h.replace("+", ",").split(","))) for h in sys.argv[3].split()}
+def ok(r):
+    return ("error" not in r and r.get("routing_exact") and not r.get("y_nan") and (r.get("y_rel_err") or 1) < 1e-2
+            and r.get("bitwise_same_rerun") and r.get("bitwise_same_half_sms"))
+keep = []
+for v in filter(None, sys.argv[2].split(";")):
+    norm = ",".join(sorted(v.split(",")))
+    mine = [r for r in checks if "@" in r.get("item", "")
+            and ",".join(sorted(r["item"].split("@", 1)[1].replace("+", ",").split(","))) == norm]
+    if norm in hung or not all(ok(r) for r in mine):
+        print(f"bench: variant {v} dropped (failed kernel_check)", file=sys.stderr)
+    else:
+        keep.append(v)
+print(";".join(keep))
+PY
+)
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py $BENCH_SPECS ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} \
     --loop-reps 1 --out "$OUT/forward-h200.json" 2>"$OUT/bench.log" | tail -40; tail -3 "$OUT/bench.log"

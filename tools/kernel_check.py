@@ -249,9 +249,9 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
 
 
 def parse_overrides(text: str) -> dict[str, object]:
-    """"k=v+k=v" -> plan overrides (integers where the value is one)."""
+    """"k=v+k=v" (or "k=v,k=v") -> plan overrides (integers where the value is one)."""
     out: dict[str, object] = {}
-    for part in filter(None, text.split("+")):
+    for part in filter(None, text.replace(",", "+").split("+")):
         k, v = part.split("=", 1)
         out[k] = int(v) if v.isdigit() else v
     return out
