@@ -237,6 +237,9 @@ class Plan:
         for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
             if g.consumer not in CONSUMERS:
                 raise PlanError(f"plan.{name}.consumer: must be one of {', '.join(CONSUMERS)}, got {g.consumer!r}")
+        for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
+            if g.bm % g.tile_m:
+                raise PlanError(f"plan.{name}.bm: {g.bm} is not a multiple of its {g.tile_m}-row tiles")
         if not self.gemm1.bm == self.gemm2.bm == self.bm:
             raise PlanError(
                 f"plan.bm: GEMM1 and GEMM2 must share the M tile, got {self.gemm1.bm}, {self.gemm2.bm}, {self.bm}")
@@ -295,11 +298,13 @@ def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
     )
 
 
-def _m_tiles(spec: Spec) -> int:
-    """M tiles at spec.tokens under balanced routing: routed rows spread evenly, every shared group gets T rows."""
-    q, extra = divmod(spec.routed_rows, spec.local_experts)
-    routed = extra * -(-(q + 1) // BM) + (spec.local_experts - extra) * -(-q // BM)
-    return routed + spec.shared_experts * -(-spec.tokens // BM)
+def _m_tiles(spec: Spec, bm: int = BM) -> int:
+    """Expected M tiles of `bm` rows at spec.tokens under random routing: each routed group's row count is
+    spread around T*K/E, so its padding to a multiple of bm averages (bm-1)/2 rows (the remainders are close
+    to uniform; the H200 runs measured gpt-oss-120b at 185 tiles of 128 where this gives 191); every shared
+    group gets exactly T rows."""
+    routed = (spec.routed_rows + spec.local_experts * (bm - 1) / 2) / bm
+    return max(1, round(routed)) + spec.shared_experts * -(-spec.tokens // bm)
 
 
 @dataclass(frozen=True)
@@ -329,9 +334,9 @@ class _GemmCost:
 
 def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
     n, k = _gemm_shape(spec, which)
-    m_tiles = _m_tiles(spec)
-    padded = m_tiles * BM
-    tiles = m_tiles * g.n_tiles
+    m_tiles = _m_tiles(spec, g.bm)
+    padded = m_tiles * g.bm
+    tiles = m_tiles * (g.bm // g.tile_m) * g.n_tiles
     row_eff = spec.rows / padded
     n_eff = n / (g.n_tiles * g.bn)
     wave_eff = tiles / (-(-tiles // arch.sms) * arch.sms)
@@ -350,7 +355,7 @@ def _glue_bytes(spec: Spec, g1: GemmPlan) -> int:
     """Routing (indices/weights in; row_src, row_w, slot_pos out), the row gather when GEMM1 loads A by TMA
     (rows of x in, xg out) and combine (ys rows in, y out)."""
     slots = spec.tokens * (spec.topk + spec.shared_experts)
-    routing = 8 * spec.routed_rows + 8 * _m_tiles(spec) * BM + 4 * slots
+    routing = 8 * spec.routed_rows + 8 * _m_tiles(spec, g1.bm) * g1.bm + 4 * slots
     gather = 2 * ELEM_BYTES * spec.rows * spec.hidden if g1.a_load == "tma" else 0
     combine = 4 * slots + ELEM_BYTES * spec.rows * spec.hidden + ELEM_BYTES * spec.tokens * spec.hidden
     return routing + gather + combine
@@ -371,10 +376,11 @@ def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[
                schedule: str = "chain") -> Plan:
     c1, c2, glue_ms = _costs(spec, arch, g1, g2)
     ms = c1.ms + c2.ms + glue_ms
-    cap = cap_rows(spec, BM, spec.tokens)
+    bm = g1.bm
+    cap = cap_rows(spec, bm, spec.tokens)
     return Plan(
-        spec=spec, arch=arch.name, gemm1=g1, gemm2=g2, bm=BM,
-        cap_rows=cap, max_m_tiles=cap // BM,
+        spec=spec, arch=arch.name, gemm1=g1, gemm2=g2, bm=bm,
+        cap_rows=cap, max_m_tiles=cap // bm,
         chunk_rows=max(_chunk_rows(arch, g1.n_tiles), _chunk_rows(arch, g2.n_tiles)),
         waves1=round(c1.tiles / arch.sms, 3), waves2=round(c2.tiles / arch.sms, 3),
         predicted_ms=float(f"{ms:.6g}"), predicted_tflops=round(spec.flops_forward / ms / 1e9, 1),
@@ -454,6 +460,10 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if f"gemm{which}_stages" not in overrides:  # smaller stages: as many as now fit
             stages = min(MAX_STAGES, _stages_fit(a, g.bn, mode))
         gemms[which] = dataclasses.replace(g, consumer=mode, stages=stages)
+    # the routing tile (rows each group is padded to) is the largest tile either GEMM runs: 64 rows when both
+    # are ping-pong, which pads small groups (many experts) less
+    bm = max(g.tile_m for g in gemms.values())
+    gemms = {w: dataclasses.replace(g, bm=bm) for w, g in gemms.items()}
     for which, g in gemms.items():
         key = f"gemm{which}_stages"
         if key in overrides:
@@ -514,7 +524,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         f"{(CONSUMER_WGS + 1) * WARPGROUP} threads per CTA",
         f"  raster: {PANEL_BYTES} <= L2/2  =>  r <= {RASTER_FIT} = {float(r_fit):.2f} "
         f"-> raster_group = {g.raster_group}",
-        f"  tiles = {_m_tiles(spec)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "
+        f"  tiles = {_m_tiles(spec, g.bm) * (g.bm // g.tile_m)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "
         f"-> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
     ]
 
@@ -562,11 +572,15 @@ def explain(plan: Plan, top: int = 5) -> str:
         f"inputs: T={spec.tokens} H={spec.hidden} I={spec.ffn} experts={spec.experts} ep={spec.ep} "
         f"-> {spec.local_experts} local + {spec.shared_experts} shared = {spec.groups} groups, top-{spec.topk}, "
         f"{spec.activation}, {spec.dtype}",
-        f"rows = T*(K+S) = {spec.rows}; balanced routing: {spec.local_experts - extra} groups x {q} rows"
-        + (f" + {extra} x {q + 1}" if extra else "")
+        f"rows = T*(K+S) = {spec.rows}; random routing: {spec.local_experts} groups of ~{q} rows, each padded "
+        f"by (BM-1)/2 on average"
         + (f", {spec.shared_experts} shared x {spec.tokens}" if spec.shared_experts else "")
-        + f" -> {_m_tiles(spec)} M tiles of {BM} (row efficiency {_pct(c1.row_eff)})",
-        f"tile M = {plan.bm} ({CONSUMER_WGS} consumer warpgroups x {plan.bm // CONSUMER_WGS} rows), tile K = {BK}",
+        + f" -> {_m_tiles(spec, plan.bm)} M tiles of {plan.bm} (row efficiency {_pct(c1.row_eff)})",
+        f"routing tile M = {plan.bm} (each group padded to a multiple of it); GEMM tiles: "
+        + ", ".join(f"GEMM{w} {g.tile_m} rows ({g.consumer}: " + ("2 consumer warpgroups x 64 rows" if g.consumer
+                    == "cooperative" else "one warpgroup per tile, two tiles in flight") + ")"
+                    for w, g in ((1, plan.gemm1), (2, plan.gemm2)))
+        + f", tile K = {BK}",
         "",
         *_explain_gemm(spec, arch, 1, plan.gemm1, c1),
         "",

@@ -171,11 +171,16 @@ def test_consumer_override():
     for g, b in ((p.gemm1, base.gemm1), (p.gemm2, base.gemm2)):
         assert g.consumer == "pingpong" and g.tile_m == 64 and g.bn == b.bn
         assert g.stages >= b.stages  # 64-row stages are smaller: at least as many fit
-    assert p.bm == 128  # the routing tile does not change
+    assert p.bm == p.gemm1.bm == p.gemm2.bm == 64  # both ping-pong: groups padded to 64 rows
+    assert p.cap_rows == cap_rows(spec, 64, spec.tokens) and p.max_m_tiles == p.cap_rows // 64
     assert Plan.from_dict(json.loads(p.canonical_json())) == p
     assert "consumers pingpong (64-row tiles)" in explain(p)
     one = solve(spec, gemm2_consumer="pingpong", gemm2_stages=3)
     assert (one.gemm1.consumer, one.gemm2.consumer, one.gemm2.stages) == ("cooperative", "pingpong", 3)
+    assert one.bm == 128  # GEMM 1's cooperative tiles keep the 128-row routing tile
+    # many small experts: 64-row padding wastes fewer rows, and the cost model sees it
+    oss = load_spec("gpt-oss-120b")
+    assert solve(oss, consumer="pingpong").predicted_ms < solve(oss).predicted_ms
     with pytest.raises(PlanError, match=r"^plan.consumer: must be one of cooperative, pingpong"):
         solve(spec, consumer="stream-k")
     with pytest.raises(PlanError, match=r"^plan.gemm1_consumer: the fused schedule"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,9 @@ class Setup:
         self.T = T = tokens or spec.tokens
         self.dev = dev = torch.device("cuda")
         self.inp = inp = ref.random_inputs(spec, tokens=T, device=dev, seed=int(time.time()) % 10000, routing=routing)
-        self.bm = self.plan.bm
+        # the routing tile the build was made for (64 when both GEMMs are ping-pong), from its routing source
+        m = re.search(r"^BM = (\d+)", (build_dir / "sources" / "routing.py").read_text(), re.M)
+        self.bm = int(m.group(1)) if m else self.plan.bm
         self.cap = cap_rows(spec, self.bm, T)
         self.b1 = inp.b1 if inp.b1 is not None else torch.zeros(1, 1, device=dev)
         self.b2 = inp.b2 if inp.b2 is not None else torch.zeros(1, 1, device=dev)
