@@ -88,6 +88,11 @@ CLUSTERS = (1, 2)
 # "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
 # mainloop keeps the tensor cores busy (W tiles are then loaded once per 64 rows instead of 128).
 CONSUMERS = ("cooperative", "pingpong")
+# Mainloop efficiency of a ping-pong tile relative to a cooperative one, per GEMM, from the H200 (bench/NOTES.md
+# v3): GEMM 1 ran 4-6% slower per flop (its W tiles are loaded once per 64 rows instead of 128), GEMM 2's hidden
+# epilogue was worth up to 8-19% in short bursts but nothing in the sustained, power-capped benchmark. What
+# ping-pong does win is padding: both GEMMs ping-pong pad the routed groups to 64 rows instead of 128.
+PINGPONG_EFF = {1: 0.95, 2: 1.0}
 # "chain": routing, GEMM 1, GEMM 2, combine as separate launches; "fused": routing, then one persistent kernel
 # for GEMM 1 + GEMM 2 + combine (templates/sm90/fused.py.j2), which needs gemm1.bn == gemm2.bn | hidden
 SCHEDULES = ("chain", "fused")
@@ -152,10 +157,10 @@ def _raster_group(arch: Arch, k: int, bn: int) -> int:
     return min(RASTER_MAX, 1 << max(0, fit.bit_length() - 1))
 
 
-def _chunk_rows(arch: Arch, n_tiles: int) -> int:
-    """Smallest multiple of BM whose row tiles times `n_tiles` reach 2 waves (N/BN = n_tiles, partial tile included)."""
-    rows = CHUNK_MIN.subs({_bm: BM, _bn: 1, _n: n_tiles, _sms: arch.sms})
-    return BM * int(sp.ceiling(rows / BM))
+def _chunk_rows(arch: Arch, n_tiles: int, bm: int = BM) -> int:
+    """Smallest multiple of bm whose row tiles times `n_tiles` reach 2 waves (N/BN = n_tiles, partial tile included)."""
+    rows = CHUNK_MIN.subs({_bm: bm, _bn: 1, _n: n_tiles, _sms: arch.sms})
+    return bm * int(sp.ceiling(rows / bm))
 
 
 def cap_rows(spec: Spec, bm: int, tokens: int) -> int:
@@ -340,7 +345,7 @@ def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
     row_eff = spec.rows / padded
     n_eff = n / (g.n_tiles * g.bn)
     wave_eff = tiles / (-(-tiles // arch.sms) * arch.sms)
-    mainloop_eff = MAINLOOP_EFF[g.bn]
+    mainloop_eff = MAINLOOP_EFF[g.bn] * (PINGPONG_EFF[which] if g.consumer == "pingpong" else 1.0)
     flops = 2 * spec.rows * n * k
     a_rows = spec.rows if which == 1 else padded  # GEMM1 gathers only real rows; GEMM2 reads all of h
     out_cols = spec.ffn if which == 1 else spec.hidden
@@ -367,9 +372,12 @@ def _costs(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan) -> tuple[_GemmCos
 
 
 def _rank_key(spec: Spec, arch: Arch, plan: Plan) -> tuple:
-    """Predicted time; ties (memory-bound GEMMs) go to the faster mainloop, then to wider tiles."""
+    """Predicted time; ties (memory-bound GEMMs) go to cooperative tiles (ping-pong reads W twice as often from
+    L2: on gpt-oss-120b it measured 3% slower although it computes fewer padding rows), then to the faster
+    mainloop, then to wider tiles."""
     c1, c2, _ = _costs(spec, arch, plan.gemm1, plan.gemm2)
-    return plan.predicted_ms, c1.compute_ms + c2.compute_ms, -plan.gemm1.bn, -plan.gemm2.bn
+    return (plan.predicted_ms, plan.gemm1.consumer != "cooperative", c1.compute_ms + c2.compute_ms,
+            -plan.gemm1.bn, -plan.gemm2.bn)
 
 
 def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[str, ...] = (),
@@ -381,7 +389,7 @@ def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[
     return Plan(
         spec=spec, arch=arch.name, gemm1=g1, gemm2=g2, bm=bm,
         cap_rows=cap, max_m_tiles=cap // bm,
-        chunk_rows=max(_chunk_rows(arch, g1.n_tiles), _chunk_rows(arch, g2.n_tiles)),
+        chunk_rows=max(_chunk_rows(arch, g1.n_tiles, bm), _chunk_rows(arch, g2.n_tiles, bm)),
         waves1=round(c1.tiles / arch.sms, 3), waves2=round(c2.tiles / arch.sms, 3),
         predicted_ms=float(f"{ms:.6g}"), predicted_tflops=round(spec.flops_forward / ms / 1e9, 1),
         notes=_auto_notes(spec, arch, g2, c1, c2) + notes, schedule=schedule,
@@ -409,7 +417,20 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     g1s = [_gemm_plan(spec, a, 1, bn) for bn in BN_CHOICES if _gemm_problem(spec, a, 1, bn) is None]
     g2s = [_gemm_plan(spec, a, 2, bn) for bn in BN_CHOICES if _gemm_problem(spec, a, 2, bn) is None]
     plans = [_make_plan(spec, a, g1, g2) for g1 in g1s for g2 in g2s]  # bn 64 always fits: never empty
+    # Both GEMMs ping-pong (64-row routing tile), where the best cooperative plan is compute bound in both GEMMs:
+    # there padding rows cost flops.
+    # Memory-bound GEMMs gain nothing from fewer padding rows and lose W-tile bandwidth (gpt-oss-120b measured
+    # 3% slower). Mixed plans are reachable through the gemm*_consumer overrides.
+    plans.sort(key=lambda p: _rank_key(spec, a, p))
+    best = plans[0]
+    if _gemm_cost(spec, a, 1, best.gemm1).bound == _gemm_cost(spec, a, 2, best.gemm2).bound == "compute":
+        plans += [_make_plan(spec, a, _pingpong(a, g1), _pingpong(a, g2)) for g1 in g1s for g2 in g2s]
     return sorted(plans, key=lambda p: _rank_key(spec, a, p))
+
+
+def _pingpong(arch: Arch, g: GemmPlan) -> GemmPlan:
+    return dataclasses.replace(g, consumer="pingpong", bm=_tile_m("pingpong"),
+                               stages=min(MAX_STAGES, _stages_fit(arch, g.bn, "pingpong")))
 
 
 def _int_override(key: str, value: Any) -> int:
@@ -434,7 +455,9 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
     def fits(p: Plan) -> bool:
-        return schedule == "chain" or fused_tiles_ok(spec, p.gemm1, p.gemm2)
+        if schedule == "chain":
+            return True
+        return fused_tiles_ok(spec, p.gemm1, p.gemm2) and p.gemm1.consumer == p.gemm2.consumer == "cooperative"
 
     best = next(
         (p for p in candidates(spec, arch)
@@ -536,13 +559,13 @@ def _describe_cost(c: _GemmCost) -> str:
 
 def _describe_candidate(spec: Spec, arch: Arch, p: Plan) -> str:
     c1, c2, _ = _costs(spec, arch, p.gemm1, p.gemm2)
-    return (f"  bn1={p.gemm1.bn:<3} bn2={p.gemm2.bn:<3} {p.predicted_ms:.4f} ms {p.predicted_tflops:7.1f} TFLOP/s"
+    return (f"  bn1={p.gemm1.bn:<3} bn2={p.gemm2.bn:<3} {p.gemm1.consumer:<11} {p.predicted_ms:.4f} ms {p.predicted_tflops:7.1f} TFLOP/s"
             f"  GEMM1 {c1.ms:.4f} ms eff {_pct(c1.eff)} ({c1.bound}), "
             f"GEMM2 {c2.ms:.4f} ms eff {_pct(c2.eff)} ({c2.bound})")
 
 
 def _verdict(spec: Spec, arch: Arch, plan: Plan, ranked: list[Plan]) -> str:
-    label = f"bn1={plan.gemm1.bn}/bn2={plan.gemm2.bn}"
+    label = f"bn1={plan.gemm1.bn}/bn2={plan.gemm2.bn} {plan.gemm1.consumer}"
     if (ranked[0].gemm1, ranked[0].gemm2) != (plan.gemm1, plan.gemm2):
         best = ranked[0]
         return (f"chosen by overrides; the solver's best is bn1={best.gemm1.bn}/bn2={best.gemm2.bn} "
@@ -550,7 +573,7 @@ def _verdict(spec: Spec, arch: Arch, plan: Plan, ranked: list[Plan]) -> str:
     if len(ranked) == 1:
         return f"{label} is the only valid candidate"
     other = ranked[1]
-    o_label = f"bn1={other.gemm1.bn}/bn2={other.gemm2.bn}"
+    o_label = f"bn1={other.gemm1.bn}/bn2={other.gemm2.bn} {other.gemm1.consumer}"
     if other.predicted_ms > plan.predicted_ms:
         gap = other.predicted_ms / plan.predicted_ms - 1
         return f"{label} wins: {plan.predicted_ms:.4f} ms, {_pct(gap)} ahead of the runner-up {o_label}"
