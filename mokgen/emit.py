@@ -138,9 +138,7 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
     a_gather = which == 1 and g.a_load == "gather"
     producer_regs, consumer_regs = _REGS["gather" if a_gather else "tma"]
     pingpong = g.consumer == "pingpong"
-    tile_m = g.tile_m
-    if plan.bm % tile_m:
-        raise EmitError(f"plan.gemm{which}: tile rows {tile_m} do not divide the routing tile {plan.bm}")
+    tile_m = g.tile_m  # Plan checks that it divides plan.bm
     stage_bytes = (tile_m * g.bk + parts * bn * g.bk) * 2
     epi_n = 64 if "epi_n64" in experimental and bn % 64 == 0 else _EPI_N
     epi_stages = 4 if "epi_buffers4" in experimental else _EPI_STAGES

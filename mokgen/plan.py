@@ -20,7 +20,7 @@ from .spec import Spec
 
 __all__ = [
     "Arch", "ARCHS", "get_arch", "GemmPlan", "Plan", "PlanError",
-    "cap_rows", "candidates", "solve", "explain", "OVERRIDES",
+    "cap_rows", "candidates", "solve", "explain", "OVERRIDES", "parse_overrides",
 ]
 
 
@@ -242,7 +242,6 @@ class Plan:
         for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
             if g.consumer not in CONSUMERS:
                 raise PlanError(f"plan.{name}.consumer: must be one of {', '.join(CONSUMERS)}, got {g.consumer!r}")
-        for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
             if g.bm % g.tile_m:
                 raise PlanError(f"plan.{name}.bm: {g.bm} is not a multiple of its {g.tile_m}-row tiles")
         if not self.gemm1.bm == self.gemm2.bm == self.bm:
@@ -424,13 +423,33 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     plans.sort(key=lambda p: _rank_key(spec, a, p))
     best = plans[0]
     if _gemm_cost(spec, a, 1, best.gemm1).bound == _gemm_cost(spec, a, 2, best.gemm2).bound == "compute":
-        plans += [_make_plan(spec, a, _pingpong(a, g1), _pingpong(a, g2)) for g1 in g1s for g2 in g2s]
+            plans += [_make_plan(spec, a, *_routing_tile(_with_consumer(a, g1, "pingpong"), _with_consumer(a, g2, "pingpong")))
+                  for g1 in g1s for g2 in g2s]
     return sorted(plans, key=lambda p: _rank_key(spec, a, p))
 
 
-def _pingpong(arch: Arch, g: GemmPlan) -> GemmPlan:
-    return dataclasses.replace(g, consumer="pingpong", bm=_tile_m("pingpong"),
-                               stages=min(MAX_STAGES, _stages_fit(arch, g.bn, "pingpong")))
+def _with_consumer(arch: Arch, g: GemmPlan, consumer: str) -> GemmPlan:
+    """`g` with `consumer` tiles and as many stages as then fit."""
+    return dataclasses.replace(g, consumer=consumer, stages=min(MAX_STAGES, _stages_fit(arch, g.bn, consumer)))
+
+
+def _routing_tile(g1: GemmPlan, g2: GemmPlan) -> tuple[GemmPlan, GemmPlan]:
+    """Both GEMMs on the routing tile (rows each group is padded to): the larger of their tiles, so 64 rows when
+    both are ping-pong, which pads small groups (many experts) less."""
+    bm = max(g1.tile_m, g2.tile_m)
+    return dataclasses.replace(g1, bm=bm), dataclasses.replace(g2, bm=bm)
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """``"k=v,k=v"`` (or ``+``-joined) -> plan overrides for :func:`solve`, integer values converted (how the
+    benchmark's ``--variants`` and the tools name a plan)."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.replace("+", ",").split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise PlanError(f"plan: expected KEY=VALUE, got {part!r}")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
 
 
 def _int_override(key: str, value: Any) -> int:
@@ -478,15 +497,8 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {mode!r}")
         if mode != "cooperative" and schedule == "fused":
             raise PlanError(f"plan.{key}: the fused schedule's tiles are cooperative (128 rows per task)")
-        g = gemms[which]
-        stages = g.stages
-        if f"gemm{which}_stages" not in overrides:  # smaller stages: as many as now fit
-            stages = min(MAX_STAGES, _stages_fit(a, g.bn, mode))
-        gemms[which] = dataclasses.replace(g, consumer=mode, stages=stages)
-    # the routing tile (rows each group is padded to) is the largest tile either GEMM runs: 64 rows when both
-    # are ping-pong, which pads small groups (many experts) less
-    bm = max(g.tile_m for g in gemms.values())
-    gemms = {w: dataclasses.replace(g, bm=bm) for w, g in gemms.items()}
+        gemms[which] = _with_consumer(a, gemms[which], mode)  # a gemm*_stages override applies below
+    gemms[1], gemms[2] = _routing_tile(gemms[1], gemms[2])
     for which, g in gemms.items():
         key = f"gemm{which}_stages"
         if key in overrides:
@@ -586,7 +598,7 @@ def explain(plan: Plan, top: int = 5) -> str:
     """A readable derivation of `plan`: inputs, every constraint with its numbers, and the ranking."""
     spec, arch = plan.spec, get_arch(plan.arch)
     c1, c2, glue_ms = _costs(spec, arch, plan.gemm1, plan.gemm2)
-    q, extra = divmod(spec.routed_rows, spec.local_experts)
+    q = spec.routed_rows // spec.local_experts
     n_min = min(plan.gemm1.n_tiles, plan.gemm2.n_tiles)
     ranked = candidates(spec, plan.arch)
     lines = [

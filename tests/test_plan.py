@@ -189,3 +189,13 @@ def test_consumer_override():
         solve(spec, schedule="fused", gemm1_consumer="pingpong")
     with pytest.raises(PlanError, match=r"^plan.consumer: the fused schedule"):
         dataclasses.replace(p, schedule="fused")
+
+
+def test_parse_overrides():
+    from mokgen.plan import parse_overrides
+
+    assert parse_overrides("consumer=pingpong+cluster=2") == {"consumer": "pingpong", "cluster": 2}
+    assert parse_overrides(" schedule=fused , gemm2_stages=3 ") == {"schedule": "fused", "gemm2_stages": 3}
+    assert parse_overrides("") == {}
+    with pytest.raises(PlanError, match=r"^plan: expected KEY=VALUE, got 'cluster'"):
+        parse_overrides("cluster")

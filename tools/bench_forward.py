@@ -320,16 +320,9 @@ def _short_error(e: BaseException) -> str:
 def parse_variants(text: str | None) -> list[dict[str, Any]]:
     """``"schedule=fused;gemm1_a_load=tma,schedule=chain"`` -> [{"schedule": "fused"}, ...]: ';' separates
     variants, ',' the overrides of one variant."""
-    out = []
-    for v in (text or "").split(";"):
-        if not v.strip():
-            continue
-        d = {}
-        for kv in v.split(","):
-            k, _, val = kv.strip().partition("=")
-            d[k] = int(val) if val.isdigit() else val
-        out.append(d)
-    return out
+    from mokgen.plan import parse_overrides
+
+    return [parse_overrides(v) for v in (text or "").split(";") if v.strip()]
 
 
 def variant_name(ov: dict[str, Any]) -> str:

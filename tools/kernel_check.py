@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mokgen import reference as ref  # noqa: E402
 from mokgen.ops import FUSED_SYNC_HEAD  # noqa: E402
-from mokgen.plan import cap_rows, solve  # noqa: E402
+from mokgen.plan import cap_rows, parse_overrides, solve  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
 
@@ -248,15 +248,6 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
             out["timeout_flag_after_timing"] = int(w["sync"][2])
         out["tflops_total"] = (f1 + f2) / (t["total"] * 1e-3) / 1e12
         out["tflops_total_graph"] = (f1 + f2) / (t["total_graph"] * 1e-3) / 1e12
-    return out
-
-
-def parse_overrides(text: str) -> dict[str, object]:
-    """"k=v+k=v" (or "k=v,k=v") -> plan overrides (integers where the value is one)."""
-    out: dict[str, object] = {}
-    for part in filter(None, text.replace(",", "+").split("+")):
-        k, v = part.split("=", 1)
-        out[k] = int(v) if v.isdigit() else v
     return out
 
 

@@ -17,10 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mokgen import cache, emit, plan  # noqa: E402
 from mokgen.cli import main as cli_main  # noqa: E402
+from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_check import parse_overrides  # noqa: E402
 
 
 def main(argv=None) -> int:
