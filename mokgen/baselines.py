@@ -19,6 +19,9 @@ Baselines (what the benchmark compares mokgen against):
   activation and combine were free.
 - :func:`torch_loop`: a Python loop over experts with plain matmuls (syncs on the host; it is a baseline).
 - :func:`dense_mm`: a dense bf16 matmul, the ceiling.
+- :func:`dense_layer_mm`: the layer's two GEMMs as plain dense matmuls over all its rows at once (one weight
+  matrix for every row: the same FLOPs as the layer, no routing, no groups); :func:`prepare_dense_layer` makes
+  the operands. What cuBLAS's dense kernels would take for the layer's work.
 - :func:`loop_reference`: the same layer in a wide dtype (float32/float64), a stand-in ground truth for when
   ``mokgen.reference`` is not importable.
 
@@ -45,6 +48,9 @@ __all__ = [
     "torch_gemm_only",
     "torch_loop",
     "dense_mm",
+    "DenseLayerInputs",
+    "prepare_dense_layer",
+    "dense_layer_mm",
     "loop_reference",
 ]
 
@@ -257,6 +263,27 @@ def torch_loop(x, topk_idx, topk_weight, w1, w2, spec, b1=None, b2=None) -> torc
 def dense_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The dense ceiling: one bf16 matmul (``a [M, K] @ b [K, N]``)."""
     return torch.mm(a, b)
+
+
+class DenseLayerInputs(NamedTuple):
+    x: torch.Tensor  # [rows, H]
+    w1t: torch.Tensor  # [H, 2I]
+    h: torch.Tensor  # [rows, I]
+    w2t: torch.Tensor  # [I, H]
+
+
+def prepare_dense_layer(x, w1, w2, rows: int, generator: torch.Generator | None = None) -> DenseLayerInputs:
+    """Operands of :func:`dense_layer_mm`: ``rows`` rows (x repeated), group 0's weights (transposed views, as
+    ``torch_gemm_only`` passes them) and a random activation-shaped input for the second GEMM."""
+    reps = -(-rows // x.shape[0])
+    xr = x.repeat(reps, 1)[:rows].contiguous()
+    h = torch.randn(rows, w2.shape[-1], device=x.device, generator=generator, dtype=torch.float32).to(x.dtype)
+    return DenseLayerInputs(xr, w1[0].transpose(0, 1), h, w2[0].transpose(0, 1))
+
+
+def dense_layer_mm(inp: DenseLayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ W1^T`` ([rows, 2I]) and ``h @ W2^T`` ([rows, H]) as two dense ``torch.mm`` calls."""
+    return torch.mm(inp.x, inp.w1t), torch.mm(inp.h, inp.w2t)
 
 
 def loop_reference(x, topk_idx, topk_weight, w1, w2, spec, b1=None, b2=None,

@@ -82,7 +82,7 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 GEMM1_A_LOAD = "gather"
 A_LOADS = ("tma", "gather")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
-             "cluster", "consumer", "gemm1_consumer", "gemm2_consumer")
+             "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer")
 CLUSTERS = (1, 2)
 # How the two consumer warpgroups share the work: "cooperative" = both on one 128-row tile (64 rows each);
 # "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
@@ -517,13 +517,16 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if not 1 <= r <= RASTER_OVERRIDE_MAX:
             raise PlanError(f"plan.raster_group: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
         gemms = {w: dataclasses.replace(g, raster_group=r) for w, g in gemms.items()}
-    if "cluster" in overrides:
-        c = _int_override("cluster", overrides["cluster"])
+    for which in (1, 2):  # gemm<N>_cluster wins over cluster for its GEMM
+        key = f"gemm{which}_cluster" if f"gemm{which}_cluster" in overrides else "cluster"
+        if key not in overrides:
+            continue
+        c = _int_override(key, overrides[key])
         if c not in CLUSTERS:
-            raise PlanError(f"plan.cluster: must be one of {', '.join(map(str, CLUSTERS))}, got {c}")
+            raise PlanError(f"plan.{key}: must be one of {', '.join(map(str, CLUSTERS))}, got {c}")
         if c > 1 and schedule == "fused":
-            raise PlanError("plan.cluster: the fused schedule runs one CTA per task (cluster 1)")
-        gemms = {w: dataclasses.replace(g, cluster=c) for w, g in gemms.items()}
+            raise PlanError(f"plan.{key}: the fused schedule runs one CTA per task (cluster 1)")
+        gemms[which] = dataclasses.replace(gemms[which], cluster=c)
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
     return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
 
@@ -629,7 +632,7 @@ def explain(plan: Plan, top: int = 5) -> str:
         + ("routing, GEMM 1, GEMM 2, combine as four persistent launches; the default: on the H200 it measured "
            "faster than the fused kernel on all six benchmark shapes, bench/NOTES.md v2)" if plan.schedule == "chain"
            else "routing, then one persistent kernel claiming G1/G2/combine tasks chunk by chunk)")
-        + f"; W-tile clusters: {plan.gemm1.cluster}",
+        + f"; W-tile clusters: GEMM 1 {plan.gemm1.cluster}, GEMM 2 {plan.gemm2.cluster}",
         f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
         f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
         f"max_m_tiles = {plan.max_m_tiles}",

@@ -176,6 +176,21 @@ def test_gemm_only_groups():
     torch.testing.assert_close(inp.xg[M - spec.tokens:], x)
 
 
+def test_dense_layer_mm_same_flops():
+    spec = load_spec(dict(hidden=64, ffn=128, experts=3, ep=1, topk=2, tokens=16, shared_experts=1))
+    x, idx, w, w1, w2, _, _ = make(spec)
+    rows = spec.rows  # 48: x repeated three times
+    inp = B.prepare_dense_layer(x, w1, w2, rows)
+    assert inp.x.shape == (rows, spec.hidden) and inp.h.shape == (rows, spec.ffn)
+    torch.testing.assert_close(inp.x[spec.tokens:2 * spec.tokens], x)
+    h, o = B.dense_layer_mm(inp)
+    assert h.shape == (rows, 2 * spec.ffn) and o.shape == (rows, spec.hidden)
+    torch.testing.assert_close(h.float(), F.linear(inp.x, w1[0]).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(o.float(), F.linear(inp.h, w2[0]).float(), rtol=2e-2, atol=2e-2)
+    # 2 * rows * 2I * H + 2 * rows * I * H = the layer's 2 * rows * 3 * H * I
+    assert 2 * rows * (h.shape[1] * spec.hidden + spec.ffn * o.shape[1]) == 2 * rows * 3 * spec.hidden * spec.ffn
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_no_host_sync_gpu():
@@ -218,7 +233,7 @@ def test_bench_dry_run(tmp_path, capsys):
     assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
     impls = {(r["shape"], r["impl"]) for r in recs}
     shapes = [s["name"] for s in bench.DRY_RUN_SPECS]
-    expect = ["torch_loop"] + (["torch_grouped_mm", "torch_gemm_only"] if GROUPED_OK else [])
+    expect = ["torch_loop", "dense_layer_mm"] + (["torch_grouped_mm", "torch_gemm_only"] if GROUPED_OK else [])
     for s in shapes:
         for i in expect:
             assert (s, i) in impls

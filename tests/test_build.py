@@ -296,5 +296,11 @@ def test_cli_plan_overrides(capsys: pytest.CaptureFixture) -> None:
     assert json.loads(capsys.readouterr().out)["gemm2"]["cluster"] == 2
     assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--set", "cluster=3"]) == 2
     assert "plan.cluster: must be one of 1, 2" in capsys.readouterr().err
+    # per GEMM: gemm2_cluster wins over cluster for GEMM 2 only
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--json", "--set", "cluster=2", "--set", "gemm2_cluster=1"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["gemm1"]["cluster"], p["gemm2"]["cluster"]) == (2, 1)
+    assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--set", "gemm1_cluster=4"]) == 2
+    assert "plan.gemm1_cluster: must be one of 1, 2" in capsys.readouterr().err
     assert main(["plan", "kimi-k2", "--arch", "sm_90a", "--set", "schedule"]) == 2
     assert "--set: expected KEY=VALUE" in capsys.readouterr().err

@@ -6,7 +6,8 @@
 Default shapes: the ep=64 per-rank share of kimi-k2, deepseek-v4-pro, glm-5, qwen3.5-397b-a17b (2048 tokens,
 local expert ids sampled with replacement, plus the shared expert) and the one-GPU qwen3-30b-a3b and
 gpt-oss-120b (4096 tokens). ``--tokens`` overrides T for every shape. Implementations per shape: ``mokgen``
-(``mokgen.compile(spec)``), ``torch_grouped_mm``, ``torch_gemm_only``, ``torch_loop``; once per run
+(``mokgen.compile(spec)``), ``torch_grouped_mm``, ``torch_gemm_only``, ``dense_layer_mm`` (the layer's FLOPs as
+two dense ``torch.mm`` calls over all rows: what dense cuBLAS GEMMs take for the same work), ``torch_loop``; once per run
 ``dense_mm`` (bf16 8192^3). For each: median_ms, tflops (``2 * rows * 3 * H * I / time``), speedup over
 ``torch_grouped_mm``, rel_err (Frobenius, against ``mokgen.reference.forward`` in float32, computed once per
 shape), bitwise determinism (two runs compared bit for bit). Records are APPENDED to the JSON list in ``--out``.
@@ -45,7 +46,7 @@ from mokgen import baselines as B  # noqa: E402
 
 DEFAULT_SPECS = ["kimi-k2", "deepseek-v4-pro", "glm-5", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
 DEFAULT_OUT = "bench/results/forward-h200.json"
-IMPLS = ["mokgen", "torch_grouped_mm", "torch_gemm_only", "torch_loop", "dense_mm"]
+IMPLS = ["mokgen", "torch_grouped_mm", "torch_gemm_only", "dense_layer_mm", "torch_loop", "dense_mm"]
 RECORD_FIELDS = ["gpu", "date", "versions", "shape", "dims", "impl", "median_ms", "tflops",
                  "speedup_vs_grouped_mm", "rel_err", "bitwise_deterministic"]
 
@@ -395,6 +396,15 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
             del g_inp
         except Exception as e:  # noqa: BLE001
             results["torch_gemm_only"] = dict(ms=None, err=None, det=None, error=_short_error(e))
+    if "dense_layer_mm" in impls:
+        try:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed + 7)
+            d_inp = B.prepare_dense_layer(inp["x"], inp["w1"], inp["w2"], dims["rows"], generator=gen)
+            run("dense_layer_mm", lambda: B.dense_layer_mm(d_inp), check=False)
+            del d_inp
+        except Exception as e:  # noqa: BLE001
+            results["dense_layer_mm"] = dict(ms=None, err=None, det=None, error=_short_error(e))
     if "torch_loop" in impls:
         run("torch_loop", lambda: B.torch_loop(*args, **kw), check=True, reps=loop_reps, warmup=1)
 

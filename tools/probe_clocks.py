@@ -3,7 +3,12 @@ whole four-launch chain back to back for ``--seconds`` each, with ``nvidia-smi``
 throttle reasons every 50 ms, and reports per phase: median ms (CUDA events), mean SM MHz, mean W, the throttle
 reasons seen. Also times each phase once more with an L2 flush (a 256 MB write) before every call.
 
-    python tools/probe_clocks.py BUILD_DIR:SPEC [...] [--seconds 1.5] [--json OUT]
+    python tools/probe_clocks.py ITEM [...] [--seconds 1.5] [--json OUT]
+
+ITEM is ``BUILD_DIR:SPEC`` or ``SPEC[@k=v+k=v]`` (a cache entry, as for tools/kernel_check.py; a built library: phases gemm1, gemm2, chain; a build whose GEMM 1 reads TMA-fed
+rows also gets ``gemm1_nogather``, GEMM 1 alone on rows gathered once), ``torch:dense:N`` (``torch.mm`` on
+bf16 N x N x N) or ``torch:layer:SPEC`` (the spec's two GEMMs as dense ``torch.mm`` over all its rows, phases
+gemm1, gemm2, chain). Each phase reports TFLOP/s too, so kernels can be compared at the clock they got.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_check import Setup, log  # noqa: E402
+from kernel_check import Setup, cache_entry, log  # noqa: E402
 
 
 class Sampler:
@@ -81,6 +86,42 @@ def flushed(fn, reps=20):
     return ts[len(ts) // 2]
 
 
+def _torch_item(kind: str, arg: str):
+    """(spec name, {phase: (fn, flops)}) for a torch:... item."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(3)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    if kind == "dense":
+        n = int(arg)
+        a, b = rnd(n, n), rnd(n, n)
+        return f"dense-{n}", {"mm": (lambda: torch.mm(a, b), 2 * n ** 3)}
+    if kind == "layer":
+        from mokgen.spec import load_spec
+
+        spec = load_spec(arg)
+        rows, H, I = spec.rows, spec.hidden, spec.ffn
+        x, w1t, h, w2t = rnd(rows, H), rnd(2 * I, H).t(), rnd(rows, I), rnd(H, I).t()
+        f1, f2 = 2 * rows * 2 * I * H, 2 * rows * I * H
+        return spec.name, {"gemm1": (lambda: torch.mm(x, w1t), f1), "gemm2": (lambda: torch.mm(h, w2t), f2),
+                           "chain": (lambda: (torch.mm(x, w1t), torch.mm(h, w2t)), f1 + f2)}
+    raise SystemExit(f"probe_clocks: unknown item torch:{kind}:{arg} (torch:dense:N or torch:layer:SPEC)")
+
+
+def _phase(res, name, fn, flops, seconds, sampler):
+    time.sleep(0.5)  # let the clock recover between phases
+    t0 = time.time()
+    med, n = sustained(fn, seconds)
+    t1 = time.time()
+    res["phases"][name] = {"sustained_ms": med, "calls": n, **sampler.window(t0 + 0.2, t1),
+                           "flushed_ms": flushed(fn)}
+    if flops:
+        res["phases"][name]["sustained_tflops"] = flops / (med * 1e-3) / 1e12
+    log(f"{res['spec']} {res['build']} {name}: {json.dumps(res['phases'][name])}")
+
+
 def main(argv=None):
     import tvm_ffi
 
@@ -93,23 +134,36 @@ def main(argv=None):
     time.sleep(0.3)
     results = []
     for item in a.items:
-        d, s = item.rsplit(":", 1)
+        if item.startswith("torch:"):
+            _, kind, arg = item.split(":", 2)
+            name, phases = _torch_item(kind, arg)
+            res = {"build": item, "spec": name, "phases": {}}
+            for ph, (fn, flops) in phases.items():
+                fn()
+                _phase(res, ph, fn, flops, a.seconds, sampler)
+            print(json.dumps(res), flush=True)
+            results.append(res)
+            continue
+        if ":" in item:
+            d, s = item.rsplit(":", 1)
+        else:
+            s, d = item.split("@", 1)[0], str(cache_entry(item))
         st = Setup(Path(d), s, None)
         w = st.ws()
         st.run(w)
         torch.cuda.synchronize()
-        res = {"build": d, "spec": s, "phases": {}}
-        phases = {} if st.fused else {"gemm1": lambda: st.k_gemm1(w), "gemm2": lambda: st.k_gemm2(w)}
-        phases["chain"] = lambda: [step(w) for _, step in st.steps]
+        res = {"build": d, "spec": s, "item": item, "phases": {}}
+        spec = st.spec
+        rows = st.T * (spec.topk + spec.shared_experts)
+        f1, f2 = 2 * rows * 2 * spec.ffn * spec.hidden, 2 * rows * spec.ffn * spec.hidden
+        phases = {} if st.fused else {"gemm1": (lambda: st.k_gemm1(w), f1), "gemm2": (lambda: st.k_gemm2(w), f2)}
+        if st.xg is not None:  # TMA-fed GEMM 1: also time it without the gather kernel (rows gathered once above)
+            phases["gemm1_nogather"] = (lambda: st.fn["gemm1"](st.xg, st.inp.w1, st.b1, w["row_src"], w["tile_group"],
+                                                                w["meta"], w["h"], st.sms), f1)
+        phases["chain"] = (lambda: [step(w) for _, step in st.steps], f1 + f2)
         with tvm_ffi.use_torch_stream():
-            for name, fn in phases.items():
-                time.sleep(0.5)  # let the clock recover between phases
-                t0 = time.time()
-                med, n = sustained(fn, a.seconds)
-                t1 = time.time()
-                res["phases"][name] = {"sustained_ms": med, "calls": n, **sampler.window(t0 + 0.2, t1),
-                                       "flushed_ms": flushed(fn)}
-                log(f"{s} {d} {name}: {json.dumps(res['phases'][name])}")
+            for name, (fn, flops) in phases.items():
+                _phase(res, name, fn, flops, a.seconds, sampler)
         print(json.dumps(res), flush=True)
         results.append(res)
     sampler.stop()
