@@ -5,6 +5,8 @@
 # one step, not the call. Knobs (environment):
 #   CHECK_BUILDS   built libraries to check and time, "DIR:SPEC ..." (default: every .prebuilt/<spec>[@variant])
 #   BENCH_SPECS    presets for tools/bench_forward.py (default: its six)   BENCH_VARIANTS  its --variants
+#   BENCH_PLAN     instead: "SPEC[:V1;V2] ..." one bench_forward process per spec with its own variants, then
+#                  dense_mm once (BENCH_TIMEOUT is then per spec)
 #   PROBE_BUILDS   "DIR:SPEC ..." for tools/probe_clocks.py (default: none)
 #   GPU_TESTS      1: run tests/test_gpu_forward.py (MOKGEN_GPU_PRESETS / MOKGEN_GPU_OVERRIDES pass through)
 #   GPU_TESTS_FUSED_PRESETS  presets to run that suite on with schedule=fused as well
@@ -23,10 +25,11 @@ for b in $builds; do
   [ "$rc" = 0 ] || { echo "kernel_check $b: exit $rc"; tail -3 "$OUT/checks.log" | cut -c1-300; }
   [ "$rc" = 124 ] && hung="$hung $v"
 done
-if [ -n "$BENCH_VARIANTS" ] && [ -s "$OUT/checks.jsonl" ]; then
-  # a variant that failed kernel_check (an error, a timeout, NaN, wrong or non-deterministic output) is not
-  # benchmarked: a crashed kernel takes the benchmark's CUDA context, and every shape after it, down with it
-  BENCH_VARIANTS=$(python3 - "$OUT/checks.jsonl" "$BENCH_VARIANTS" "$hung" <<'PY'
+# a variant that failed kernel_check (an error, a timeout, NaN, wrong or non-deterministic output) is not
+# benchmarked: a crashed kernel takes the benchmark's CUDA context, and every shape after it, down with it
+filter_variants() {  # $1: ';'-separated variants -> those without a failed kernel_check record
+  [ -n "$1" ] && [ -s "$OUT/checks.jsonl" ] || { echo "$1"; return; }
+  python3 - "$OUT/checks.jsonl" "$1" "$hung" <<'PY'
 import json, sys
 checks = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 hung = {",".join(sorted(h.replace("+", ",").split(","))) for h in sys.argv[3].split()}
@@ -44,14 +47,24 @@ for v in filter(None, sys.argv[2].split(";")):
         keep.append(v)
 print(";".join(keep))
 PY
-)
-fi
-if [ "${BENCH:-1}" = 1 ]; then
+}
+if [ -n "$BENCH_PLAN" ]; then
+  # one bench_forward process per spec (a crash costs that spec only), each with its own variants
+  for entry in $BENCH_PLAN; do
+    spec=${entry%%:*}; vars=""; [ "$entry" != "$spec" ] && vars=$(filter_variants "${entry#*:}")
+    timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py "$spec" --no-dense ${vars:+--variants "$vars"} \
+      --loop-reps 1 --out "$OUT/forward-h200.json" 2>>"$OUT/bench.log" | grep -E '^│ ' | cut -c1-130
+    echo "bench $spec: exit ${PIPESTATUS[0]}"
+  done
+  timeout 60 python3 tools/bench_forward.py --impls dense_mm --out "$OUT/forward-h200.json" 2>>"$OUT/bench.log" \
+    | grep -E '^│ '
+elif [ "${BENCH:-1}" = 1 ]; then
+  BENCH_VARIANTS=$(filter_variants "$BENCH_VARIANTS")
   timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py $BENCH_SPECS ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} \
     --loop-reps 1 --out "$OUT/forward-h200.json" 2>"$OUT/bench.log" | tail -40; tail -3 "$OUT/bench.log"
 fi
 if [ -n "$PROBE_BUILDS" ]; then
-  timeout 120 python3 tools/probe_clocks.py $PROBE_BUILDS --json "$OUT/probe.json" 2>&1 | grep -v '^{' | cut -c1-400
+  timeout "${PROBE_TIMEOUT:-120}" python3 tools/probe_clocks.py $PROBE_BUILDS --json "$OUT/probe.json" 2>&1 | grep -v '^{' | cut -c1-400
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x tests/test_gpu_forward.py >"$OUT/pytest.log" 2>&1
