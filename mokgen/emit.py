@@ -136,6 +136,9 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         n_out, k_dim, parts = H, I, 1
         n_stride, p_stride, g_stride = I, H * I, H * I
     a_gather = which == 1 and g.a_load == "gather"
+    a_rows = which == 1 and g.a_load == "tma_rows"
+    if a_rows and g.tile_m % 32:
+        raise EmitError(f"plan.gemm{which}: tma_rows needs tiles of a multiple of 32 rows, got {g.tile_m}")
     producer_regs, consumer_regs = _REGS["gather" if a_gather else "tma"]
     pingpong = g.consumer == "pingpong"
     tile_m = g.tile_m  # Plan checks that it divides plan.bm
@@ -170,6 +173,7 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
         a_gather=a_gather,
+        a_rows=a_rows,
         gather_lag=min(2, g.stages - 1),
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,

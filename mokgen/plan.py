@@ -80,7 +80,7 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # end-to-end benchmark and the GPU test suite ran with "gather", so that stays the default until "tma" is
 # benchmarked through the product path (bench/NOTES.md); tune / the gemm1_a_load override pick either.
 GEMM1_A_LOAD = "gather"
-A_LOADS = ("tma", "gather")
+A_LOADS = ("tma", "gather", "tma_rows")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
              "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer")
 CLUSTERS = (1, 2)

@@ -111,6 +111,24 @@ def test_variants_compile(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name,overrides", [("kimi-k2", {}), ("qwen3-30b-a3b", {"gemm1_cluster": 2})])
+def test_tma_rows_compiles(name, overrides, tmp_path):
+    """gemm1_a_load=tma_rows: one (1, BK) TMA box per gathered row, issued by 32-row producer warps: no cp.async
+    gather and no gather kernel; 2D row boxes at consecutive 128-byte row lines of the stage."""
+    pytest.importorskip("cutlass")
+    plan = solve(load_spec(name), "sm_90a", gemm1_a_load="tma_rows", **overrides)
+    src = emit(plan)
+    assert "gather.py" not in src.files and "A_ROWS = True" in src.files["gemm1.py"]
+    art = _compile_all(src, tmp_path)
+    ptx = (Path(art.dir) / "gemm1.ptx").read_text()
+    assert "cp.async.cg.shared.global" not in ptx and "shfl.sync.idx" in ptx
+    rows = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\S* \[%r\d+\+(\d+)\]", ptx)
+    assert len(rows) == 32, len(rows)  # one box per lane's row, unrolled
+    offs = sorted(map(int, rows))
+    assert [b - a for a, b in zip(offs, offs[1:])] == [2 * plan.gemm1.bk] * 31  # one 128-byte line per row
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kimi-k2", "gpt-oss-120b"])
 def test_fused_schedule_compiles(name, tmp_path):
     """schedule "fused": routing (zeroing the counters) + one persistent kernel; its PTX has the single wide
