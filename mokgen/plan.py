@@ -75,11 +75,15 @@ REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epil
 MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # How GEMM1 gets its A rows: "gather" = GEMM1's producer warpgroup gathers the routed rows of x with cp.async
 # into the swizzled A tile (fused, no extra pass); "tma" = a gather kernel writes them contiguously first and
-# GEMM1 loads them by TMA. Kernel-by-kernel on the H200 (bench/results/variants-h200.json, 2026-12-02) "tma"
-# was faster on kimi-k2 (GEMM1 incl. gather 1.56 vs 1.70 ms) and deepseek-v4-pro (1.77 vs 1.87 ms), but the
-# end-to-end benchmark and the GPU test suite ran with "gather", so that stays the default until "tma" is
-# benchmarked through the product path (bench/NOTES.md); tune / the gemm1_a_load override pick either.
+# GEMM1 loads them by TMA; "tma_rows" = one (1, BK) TMA box of x per row (no extra pass, no cp.async).
+# Measured on the H200 (bench/NOTES.md v4, end to end, same process): with small routed groups the extra pass
+# pays: gpt-oss-120b (128 rows per expert) 2.24-2.27 vs 2.60 ms, qwen3-30b-a3b (256 rows) 0.704 vs 0.724 ms;
+# with groups of 2000+ rows the fused gather is as fast or faster (v2: kimi-k2 2.698 vs 2.722 ms, glm-5 2.266
+# vs 2.370). So GEMM 1 gathers in its producer when the routed groups average at least GATHER_MIN_GROUP_ROWS
+# rows, else by the gather kernel + TMA. "tma_rows" measured slower everywhere (the TMA unit issuing 128 small
+# boxes per stage: kimi-k2 2.72 vs 2.56 ms) and is only an override.
 GEMM1_A_LOAD = "gather"
+GATHER_MIN_GROUP_ROWS = 1024
 A_LOADS = ("tma", "gather", "tma_rows")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
              "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer")
@@ -290,6 +294,11 @@ def _gemm_problem(spec: Spec, arch: Arch, which: int, bn: Any) -> str | None:
     return None
 
 
+def _gemm1_a_load(spec: Spec) -> str:
+    """GEMM 1's A path: the fused cp.async gather unless the routed groups are small (see GATHER_MIN_GROUP_ROWS)."""
+    return GEMM1_A_LOAD if spec.routed_rows >= GATHER_MIN_GROUP_ROWS * spec.local_experts else "tma"
+
+
 def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
     n, k = _gemm_shape(spec, which)
     return GemmPlan(
@@ -297,7 +306,7 @@ def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
         stages=min(MAX_STAGES, _stages_fit(arch, bn)),
         consumer_wgs=CONSUMER_WGS, epi_m=EPI_M, epi_n=EPI_N,
         raster_group=_raster_group(arch, k, bn),
-        a_load=GEMM1_A_LOAD if which == 1 else "tma",
+        a_load=_gemm1_a_load(spec) if which == 1 else "tma",
         n_tiles=-(-n // bn), k_tiles=k // BK,
     )
 
@@ -460,7 +469,8 @@ def _int_override(key: str, value: Any) -> int:
 
 def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     """The best plan for `spec` on `arch`. Overrides force a candidate (for tune): gemm1_bn, gemm2_bn,
-    gemm1_stages, gemm2_stages, raster_group (both GEMMs), gemm1_a_load ("tma" | "gather")."""
+    gemm1_stages, gemm2_stages, raster_group (both GEMMs), gemm1_a_load ("gather" | "tma" | "tma_rows"), schedule,
+    cluster / gemm1_cluster / gemm2_cluster, consumer / gemm1_consumer / gemm2_consumer."""
     a = get_arch(arch)
     for key in overrides:
         if key not in OVERRIDES:
@@ -488,6 +498,8 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if not overrides:
         return best
     gemms = {1: best.gemm1, 2: best.gemm2}
+    if schedule == "fused":  # the fused kernel gathers its rows itself
+        gemms[1] = dataclasses.replace(gemms[1], a_load="gather")
     for which in (1, 2):
         mode = overrides.get(f"gemm{which}_consumer", overrides.get("consumer"))
         if mode is None:
@@ -552,6 +564,10 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
     waves = c.tiles / arch.sms
     return [
         f"{title}: N = {n}, K = {k}, A by {g.a_load}, consumers {g.consumer} ({g.tile_m}-row tiles)",
+        *([f"  A: routed groups average {spec.routed_rows // spec.local_experts} rows "
+           f"({'>=' if spec.routed_rows >= GATHER_MIN_GROUP_ROWS * spec.local_experts else '<'} "
+           f"{GATHER_MIN_GROUP_ROWS}): default {_gemm1_a_load(spec)} (gather = cp.async in GEMM 1's producer, "
+           f"tma = gather kernel + TMA)"] if which == 1 else []),
         f"  bn = {g.bn}: {bn_rule}",
         f"  smem per stage = {STAGE_BYTES} = {stage} B; epilogue {EPI_M}x{EPI_N} x2 buffers = {_epi_bytes()} B; "
         f"barriers {BARRIER_BYTES} B",

@@ -56,9 +56,10 @@ def test_emit_follows_the_plan():
     assert f"BN = {plan.gemm1.bn // 2}" in g1 and f"STAGES = {plan.gemm1.stages}" in g1
     assert "N_STRIDE = 5760" in g1 and "P_STRIDE = 2880" in g1  # interleaved gate/up rows
     assert "sigmoid(1.702 gate)" in g1 and "HAS_BIAS = True" in g1
-    assert "gather.py" not in emit(plan).files and "A_GATHER = True" in g1
-    tma = emit(solve(spec, "sm_90a", gemm1_a_load="tma"))
-    assert "gather.py" in tma.files and "A_GATHER = False" in tma.files["gemm1.py"]
+    # 128-row groups: GEMM 1 reads rows gathered by the gather kernel, by TMA
+    assert "gather.py" in emit(plan).files and "A_GATHER = False" in g1 and "A_ROWS = False" in g1
+    fused_gather = emit(solve(spec, "sm_90a", gemm1_a_load="gather"))
+    assert "gather.py" not in fused_gather.files and "A_GATHER = True" in fused_gather.files["gemm1.py"]
     concat = emit(solve(load_spec("deepseek-v4-pro"), "sm_90a")).files["gemm1.py"]
     assert "N_STRIDE = 7168" in concat and f"P_STRIDE = {3072 * 7168}" in concat and "ACT_LIMIT = 10.0" in concat
 

@@ -5,7 +5,8 @@ import math
 import pytest
 
 from mokgen.plan import (
-    ARCHS, BN_CHOICES, GemmPlan, MAINLOOP_EFF, Plan, PlanError, cap_rows, candidates, explain, get_arch, solve,
+    ARCHS, BN_CHOICES, GATHER_MIN_GROUP_ROWS, GemmPlan, MAINLOOP_EFF, Plan, PlanError, cap_rows, candidates, explain,
+    get_arch, solve,
 )
 from mokgen.spec import KNOWN_ARCHS, list_presets, load_spec
 
@@ -43,8 +44,13 @@ def test_constraints(name, arch):
         assert _smem(g) <= a.smem_per_cta
         assert g.stages == 7 or _smem(GemmPlan(**{**g.to_dict(), "stages": g.stages + 1})) > a.smem_per_cta
         assert 1 <= g.raster_group <= 8
-    assert (g1.a_load, g2.a_load) == ("gather", "tma")
-    assert solve(spec, "sm_90a", gemm1_a_load="tma").gemm1.a_load == "tma"
+    # GEMM 1 gathers in its producer unless the routed groups are small (gpt-oss-120b 128, qwen3-30b-a3b 256 rows)
+    small = spec.routed_rows / spec.local_experts < GATHER_MIN_GROUP_ROWS
+    assert small == (name in ("gpt-oss-120b", "qwen3-30b-a3b"))
+    assert (g1.a_load, g2.a_load) == ("tma" if small else "gather", "tma")
+    for mode in ("tma", "gather", "tma_rows"):
+        assert solve(spec, "sm_90a", gemm1_a_load=mode).gemm1.a_load == mode
+    assert solve(spec, "sm_90a", schedule="fused").gemm1.a_load == "gather"  # the fused kernel gathers itself
     assert spec.ffn % (g1.bn // 2) == 0
     assert g1.n_tiles * g1.bn == 2 * spec.ffn and g1.k_tiles * 64 == spec.hidden
     assert g2.n_tiles == math.ceil(spec.hidden / g2.bn) and g2.k_tiles * 64 == spec.ffn
