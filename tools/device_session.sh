@@ -13,7 +13,8 @@
 source tools/device_env.sh || exit 1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
-builds=${CHECK_BUILDS:-$(for d in .prebuilt/*/; do d=${d%/}; n=$(basename "$d"); echo "$d:${n%@*}"; done)}
+# CHECK_BUILDS unset: every .prebuilt/<spec>[@variant] directory; set and empty: none
+builds=${CHECK_BUILDS-$(for d in .prebuilt/*/; do [ -d "$d" ] || continue; d=${d%/}; n=$(basename "$d"); echo "$d:${n%@*}"; done)}
 hung=""
 for b in $builds; do
   n=$(basename "${b%%:*}"); v=${n#*@}; [ "$v" = "$n" ] && v=default
