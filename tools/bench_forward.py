@@ -7,8 +7,8 @@ Default shapes: the ep=64 per-rank share of kimi-k2, deepseek-v4-pro, glm-5, qwe
 local expert ids sampled with replacement, plus the shared expert) and the one-GPU qwen3-30b-a3b and
 gpt-oss-120b (4096 tokens). ``--tokens`` overrides T for every shape. Implementations per shape: ``mokgen``
 (``mokgen.compile(spec)``), ``torch_grouped_mm``, ``torch_gemm_only``, ``dense_layer_mm`` (the layer's FLOPs as
-two dense ``torch.mm`` calls over all rows: what dense cuBLAS GEMMs take for the same work), ``torch_loop``; once per run
-``dense_mm`` (bf16 8192^3). For each: median_ms, tflops (``2 * rows * 3 * H * I / time``), speedup over
+two dense ``torch.mm`` calls over all rows: what dense cuBLAS GEMMs take for the same work), ``torch_loop``;
+once per run ``dense_mm`` (bf16 8192^3). For each: median_ms, tflops (``2 * rows * 3 * H * I / time``), speedup over
 ``torch_grouped_mm``, rel_err (Frobenius, against ``mokgen.reference.forward`` in float32, computed once per
 shape), bitwise determinism (two runs compared bit for bit). Records are APPENDED to the JSON list in ``--out``.
 

@@ -5,10 +5,11 @@ reasons seen. Also times each phase once more with an L2 flush (a 256 MB write) 
 
     python tools/probe_clocks.py ITEM [...] [--seconds 1.5] [--json OUT]
 
-ITEM is ``BUILD_DIR:SPEC`` or ``SPEC[@k=v+k=v]`` (a cache entry, as for tools/kernel_check.py; a built library: phases gemm1, gemm2, chain; a build whose GEMM 1 reads TMA-fed
-rows also gets ``gemm1_nogather``, GEMM 1 alone on rows gathered once), ``torch:dense:N`` (``torch.mm`` on
-bf16 N x N x N) or ``torch:layer:SPEC`` (the spec's two GEMMs as dense ``torch.mm`` over all its rows, phases
-gemm1, gemm2, chain). Each phase reports TFLOP/s too, so kernels can be compared at the clock they got.
+ITEM is a built library, ``BUILD_DIR:SPEC`` or a cache entry ``SPEC[@k=v+k=v]`` as for tools/kernel_check.py
+(phases gemm1, gemm2, chain; a build whose GEMM 1 reads TMA-fed rows also gets ``gemm1_nogather``: GEMM 1 alone
+on rows gathered once), ``torch:dense:N`` (``torch.mm`` on bf16 N x N x N) or ``torch:layer:SPEC`` (the spec's
+two GEMMs as dense ``torch.mm`` over all its rows; phases gemm1, gemm2, chain). Each phase also reports
+TFLOP/s, so kernels can be compared at the clock they got.
 """
 from __future__ import annotations
 
