@@ -294,9 +294,14 @@ def _gemm_problem(spec: Spec, arch: Arch, which: int, bn: Any) -> str | None:
     return None
 
 
+def _small_groups(spec: Spec) -> bool:
+    """Do the routed groups average fewer than GATHER_MIN_GROUP_ROWS rows?"""
+    return spec.routed_rows < GATHER_MIN_GROUP_ROWS * spec.local_experts
+
+
 def _gemm1_a_load(spec: Spec) -> str:
     """GEMM 1's A path: the fused cp.async gather unless the routed groups are small (see GATHER_MIN_GROUP_ROWS)."""
-    return GEMM1_A_LOAD if spec.routed_rows >= GATHER_MIN_GROUP_ROWS * spec.local_experts else "tma"
+    return "tma" if _small_groups(spec) else GEMM1_A_LOAD
 
 
 def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
@@ -432,7 +437,7 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     plans.sort(key=lambda p: _rank_key(spec, a, p))
     best = plans[0]
     if _gemm_cost(spec, a, 1, best.gemm1).bound == _gemm_cost(spec, a, 2, best.gemm2).bound == "compute":
-            plans += [_make_plan(spec, a, *_routing_tile(_with_consumer(a, g1, "pingpong"), _with_consumer(a, g2, "pingpong")))
+        plans += [_make_plan(spec, a, *_routing_tile(_with_consumer(a, g1, "pingpong"), _with_consumer(a, g2, "pingpong")))
                   for g1 in g1s for g2 in g2s]
     return sorted(plans, key=lambda p: _rank_key(spec, a, p))
 
@@ -459,6 +464,14 @@ def parse_overrides(text: str) -> dict[str, Any]:
             raise PlanError(f"plan: expected KEY=VALUE, got {part!r}")
         out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     return out
+
+
+def _gemm_override(overrides: Mapping[str, Any], which: int, name: str) -> tuple[str, Any] | None:
+    """(key, value) of the override of `name` for GEMM `which`: ``gemm<which>_<name>`` wins over ``<name>``."""
+    for key in (f"gemm{which}_{name}", name):
+        if key in overrides:
+            return key, overrides[key]
+    return None
 
 
 def _int_override(key: str, value: Any) -> int:
@@ -501,10 +514,9 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if schedule == "fused":  # the fused kernel gathers its rows itself
         gemms[1] = dataclasses.replace(gemms[1], a_load="gather")
     for which in (1, 2):
-        mode = overrides.get(f"gemm{which}_consumer", overrides.get("consumer"))
-        if mode is None:
+        if (found := _gemm_override(overrides, which, "consumer")) is None:
             continue
-        key = f"gemm{which}_consumer" if f"gemm{which}_consumer" in overrides else "consumer"
+        key, mode = found
         if mode not in CONSUMERS:
             raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {mode!r}")
         if mode != "cooperative" and schedule == "fused":
@@ -529,11 +541,10 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if not 1 <= r <= RASTER_OVERRIDE_MAX:
             raise PlanError(f"plan.raster_group: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
         gemms = {w: dataclasses.replace(g, raster_group=r) for w, g in gemms.items()}
-    for which in (1, 2):  # gemm<N>_cluster wins over cluster for its GEMM
-        key = f"gemm{which}_cluster" if f"gemm{which}_cluster" in overrides else "cluster"
-        if key not in overrides:
+    for which in (1, 2):
+        if (found := _gemm_override(overrides, which, "cluster")) is None:
             continue
-        c = _int_override(key, overrides[key])
+        key, c = found[0], _int_override(*found)
         if c not in CLUSTERS:
             raise PlanError(f"plan.{key}: must be one of {', '.join(map(str, CLUSTERS))}, got {c}")
         if c > 1 and schedule == "fused":
@@ -565,7 +576,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
     return [
         f"{title}: N = {n}, K = {k}, A by {g.a_load}, consumers {g.consumer} ({g.tile_m}-row tiles)",
         *([f"  A: routed groups average {spec.routed_rows // spec.local_experts} rows "
-           f"({'>=' if spec.routed_rows >= GATHER_MIN_GROUP_ROWS * spec.local_experts else '<'} "
+           f"({'<' if _small_groups(spec) else '>='} "
            f"{GATHER_MIN_GROUP_ROWS}): default {_gemm1_a_load(spec)} (gather = cp.async in GEMM 1's producer, "
            f"tma = gather kernel + TMA)"] if which == 1 else []),
         f"  bn = {g.bn}: {bn_rule}",

@@ -39,11 +39,12 @@ def main(argv=None) -> int:
     for name in specs:
         spec = load_spec(name)
         rows, H, I, G = spec.rows, spec.hidden, spec.ffn, spec.groups
-        x, w1, h, w2 = r(rows, H), r(G, 2 * I, H), r(rows, I), r(G, H, I)
-        print(f"{name} mm GEMM1 [{rows}x{H}]x[{H}x{2 * I}]:", kernels(lambda: torch.mm(x, w1[0].t())))
-        print(f"{name} mm GEMM2 [{rows}x{I}]x[{I}x{H}]:", kernels(lambda: torch.mm(h, w2[0].t())))
+        x, w1, w2 = r(spec.tokens, H), r(G, 2 * I, H), r(G, H, I)
+        d = B.prepare_dense_layer(x, w1, w2, rows)  # the bench's dense_layer_mm operands
+        print(f"{name} mm GEMM1 [{rows}x{H}]x[{H}x{2 * I}]:", kernels(lambda: torch.mm(d.x, d.w1t)))
+        print(f"{name} mm GEMM2 [{rows}x{I}]x[{I}x{H}]:", kernels(lambda: torch.mm(d.h, d.w2t)))
         idx = torch.randint(0, spec.local_experts, (spec.tokens, spec.topk), device=dev, dtype=torch.int32)
-        g = B.prepare_gemm_only(r(spec.tokens, H), idx, w1, w2, spec)
+        g = B.prepare_gemm_only(x, idx, w1, w2, spec)
         print(f"{name} grouped_mm:", kernels(lambda: B.torch_gemm_only(g)))
     return 0
 

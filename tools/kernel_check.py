@@ -263,6 +263,14 @@ def cache_entry(item: str) -> Path:
     return Path(entry)
 
 
+def resolve_item(item: str) -> tuple[Path, str]:
+    """(build directory, spec) of "BUILD_DIR:SPEC" or of a cache entry "SPEC[@k=v+k=v]"."""
+    if ":" in item:
+        d, s = item.rsplit(":", 1)
+        return Path(d), s
+    return cache_entry(item), item.split("@", 1)[0]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("items", nargs="+", help="BUILD_DIR:SPEC or SPEC[@k=v+k=v]")
@@ -274,11 +282,8 @@ def main(argv=None):
     results = []
     for item in a.items:
         try:
-            if ":" in item:
-                d, s = item.rsplit(":", 1)
-            else:
-                s, d = item.split("@", 1)[0], str(cache_entry(item))
-            res = check(Path(d), s, a.tokens, a.routing, time_it=not a.no_time)
+            d, s = resolve_item(item)
+            res = check(d, s, a.tokens, a.routing, time_it=not a.no_time)
             res["item"] = item
         except Exception as e:  # report and go on with the next build
             import traceback

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_check import Setup, cache_entry, log  # noqa: E402
+from kernel_check import Setup, log, resolve_item  # noqa: E402
 
 
 class Sampler:
@@ -99,15 +99,16 @@ def _torch_item(kind: str, arg: str):
         n = int(arg)
         a, b = rnd(n, n), rnd(n, n)
         return f"dense-{n}", {"mm": (lambda: torch.mm(a, b), 2 * n ** 3)}
-    if kind == "layer":
+    if kind == "layer":  # the bench's dense_layer_mm, each GEMM alone and both
+        from mokgen import baselines as B
         from mokgen.spec import load_spec
 
         spec = load_spec(arg)
         rows, H, I = spec.rows, spec.hidden, spec.ffn
-        x, w1t, h, w2t = rnd(rows, H), rnd(2 * I, H).t(), rnd(rows, I), rnd(H, I).t()
+        d = B.prepare_dense_layer(rnd(spec.tokens, H), rnd(1, 2 * I, H), rnd(1, H, I), rows, generator=gen)
         f1, f2 = 2 * rows * 2 * I * H, 2 * rows * I * H
-        return spec.name, {"gemm1": (lambda: torch.mm(x, w1t), f1), "gemm2": (lambda: torch.mm(h, w2t), f2),
-                           "chain": (lambda: (torch.mm(x, w1t), torch.mm(h, w2t)), f1 + f2)}
+        return spec.name, {"gemm1": (lambda: torch.mm(d.x, d.w1t), f1), "gemm2": (lambda: torch.mm(d.h, d.w2t), f2),
+                           "chain": (lambda: B.dense_layer_mm(d), f1 + f2)}
     raise SystemExit(f"probe_clocks: unknown item torch:{kind}:{arg} (torch:dense:N or torch:layer:SPEC)")
 
 
@@ -145,15 +146,12 @@ def main(argv=None):
             print(json.dumps(res), flush=True)
             results.append(res)
             continue
-        if ":" in item:
-            d, s = item.rsplit(":", 1)
-        else:
-            s, d = item.split("@", 1)[0], str(cache_entry(item))
-        st = Setup(Path(d), s, None)
+        d, s = resolve_item(item)
+        st = Setup(d, s, None)
         w = st.ws()
         st.run(w)
         torch.cuda.synchronize()
-        res = {"build": d, "spec": s, "item": item, "phases": {}}
+        res = {"build": str(d), "spec": s, "item": item, "phases": {}}
         spec = st.spec
         rows = st.T * (spec.topk + spec.shared_experts)
         f1, f2 = 2 * rows * 2 * spec.ffn * spec.hidden, 2 * rows * spec.ffn * spec.hidden
