@@ -14,7 +14,7 @@ from typing import Any
 
 import jinja2
 
-from .plan import Plan
+from .plan import L2_HINTS, Plan
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 if not TEMPLATE_DIR.is_dir():  # source checkout: templates/ sits beside the package
@@ -180,6 +180,10 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         single_mma=which == 1 and "gemm1_two_mma" not in experimental,
         gather_noinc=a_gather and "gemm1_gather_lag" not in experimental,
         cluster=g.cluster,
+        w_policy=L2_HINTS[g.w_hint],
+        w_hint_name=g.w_hint,
+        a_policy=L2_HINTS[g.a_hint] if not (a_gather or a_rows) else None,
+        a_hint_name=g.a_hint,
     )
 
 

@@ -86,8 +86,13 @@ GEMM1_A_LOAD = "gather"
 GATHER_MIN_GROUP_ROWS = 1024
 A_LOADS = ("tma", "gather", "tma_rows")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
-             "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer")
+             "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer",
+             "w_hint", "gemm1_w_hint", "gemm2_w_hint", "a_hint", "gemm1_a_hint", "gemm2_a_hint",
+             "gemm1_raster_group", "gemm2_raster_group")
 CLUSTERS = (1, 2)
+# L2 eviction priority of a GEMM's TMA loads (W tiles: w_hint; A tiles loaded by TMA: a_hint), as the 64-bit
+# cache policies of createpolicy.fractional (fraction 1.0): "normal" issues no hint
+L2_HINTS = {"normal": None, "first": 0x12F0000000000000, "last": 0x14F0000000000000}
 # How the two consumer warpgroups share the work: "cooperative" = both on one 128-row tile (64 rows each);
 # "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
 # mainloop keeps the tensor cores busy (W tiles are then loaded once per 64 rows instead of 128).
@@ -197,6 +202,8 @@ class GemmPlan:
     k_tiles: int
     cluster: int = 1  # CTAs per cluster along M: 2 = pairs of M tiles share (multicast) their W tile
     consumer: str = "cooperative"  # see CONSUMERS
+    w_hint: str = "normal"  # L2 eviction priority of the W-tile loads (see L2_HINTS)
+    a_hint: str = "normal"  # ... of the A-tile loads where TMA reads them (GEMM 2; GEMM 1 with a_load "tma")
 
     @property
     def tile_m(self) -> int:
@@ -272,7 +279,8 @@ class Plan:
 
 def _fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
-    if not isinstance(data, Mapping) or set(data) != names:
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    if not isinstance(data, Mapping) or not names - optional <= set(data) <= names:
         got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
         raise PlanError(f"{where}: expected the keys {sorted(names)}, got {got}")
     return dict(data)
@@ -482,8 +490,9 @@ def _int_override(key: str, value: Any) -> int:
 
 def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     """The best plan for `spec` on `arch`. Overrides force a candidate (for tune): gemm1_bn, gemm2_bn,
-    gemm1_stages, gemm2_stages, raster_group (both GEMMs), gemm1_a_load ("gather" | "tma" | "tma_rows"), schedule,
-    cluster / gemm1_cluster / gemm2_cluster, consumer / gemm1_consumer / gemm2_consumer."""
+    gemm1_stages, gemm2_stages, raster_group / gemm1_raster_group / gemm2_raster_group, gemm1_a_load ("gather" | "tma" | "tma_rows"), schedule,
+    cluster / gemm1_cluster / gemm2_cluster, consumer / gemm1_consumer / gemm2_consumer, w_hint / gemm1_w_hint /
+    gemm2_w_hint and a_hint / gemm1_a_hint / gemm2_a_hint (L2 eviction priority of the TMA loads: see L2_HINTS)."""
     a = get_arch(arch)
     for key in overrides:
         if key not in OVERRIDES:
@@ -536,11 +545,13 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if mode not in A_LOADS:
             raise PlanError(f"plan.gemm1_a_load: must be one of {', '.join(A_LOADS)}, got {mode!r}")
         gemms[1] = dataclasses.replace(gemms[1], a_load=mode)
-    if "raster_group" in overrides:
-        r = _int_override("raster_group", overrides["raster_group"])
+    for which in (1, 2):
+        if (found := _gemm_override(overrides, which, "raster_group")) is None:
+            continue
+        key, r = found[0], _int_override(*found)
         if not 1 <= r <= RASTER_OVERRIDE_MAX:
-            raise PlanError(f"plan.raster_group: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
-        gemms = {w: dataclasses.replace(g, raster_group=r) for w, g in gemms.items()}
+            raise PlanError(f"plan.{key}: must be in [1, {RASTER_OVERRIDE_MAX}], got {r}")
+        gemms[which] = dataclasses.replace(gemms[which], raster_group=r)
     for which in (1, 2):
         if (found := _gemm_override(overrides, which, "cluster")) is None:
             continue
@@ -550,6 +561,21 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if c > 1 and schedule == "fused":
             raise PlanError(f"plan.{key}: the fused schedule runs one CTA per task (cluster 1)")
         gemms[which] = dataclasses.replace(gemms[which], cluster=c)
+    for which in (1, 2):
+        for name in ("w_hint", "a_hint"):
+            if (found := _gemm_override(overrides, which, name)) is None:
+                continue
+            key, hint = found
+            if hint not in L2_HINTS:
+                raise PlanError(f"plan.{key}: must be one of {', '.join(L2_HINTS)}, got {hint!r}")
+            if hint != "normal" and schedule == "fused":
+                raise PlanError(f"plan.{key}: the fused schedule's loads take no L2 hints")
+            if name == "a_hint" and gemms[which].a_load != "tma":
+                if key == name:  # the key for both GEMMs applies to those that TMA-load A
+                    continue
+                raise PlanError(f"plan.{key}: GEMM {which} reads A by {gemms[which].a_load!r}, not one TMA box per "
+                                f"tile: no L2 hint to give")
+            gemms[which] = dataclasses.replace(gemms[which], **{name: hint})
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
     return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
 
