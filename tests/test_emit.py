@@ -102,14 +102,31 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
     assert "match.any.sync" in (Path(art.dir) / "routing.ptx").read_text()
 
 
+def test_l2_hints_emitted():
+    """w_hint / a_hint become the cache-policy operand of exactly the TMA loads they name; "normal" emits none."""
+    spec = load_spec("kimi-k2")
+    plain = emit(solve(spec, "sm_90a"))
+    assert "cache_policy" not in plain.files["gemm1.py"] + plain.files["gemm2.py"]
+    src = emit(solve(spec, "sm_90a", gemm1_w_hint="first", gemm2_a_hint="last"))
+    g1, g2 = src.files["gemm1.py"], src.files["gemm2.py"]
+    assert "W_POLICY = 0x12F0000000000000" in g1 and "A_POLICY" not in g1 and "W_POLICY" not in g2
+    assert "A_POLICY = 0x14F0000000000000" in g2
+    assert g1.count("cache_policy=cutlass.Int64(W_POLICY)") == 1  # the W loads (multicast copies only with cluster 2)
+    assert g2.count("cache_policy=cutlass.Int64(A_POLICY)") == 1
+
+
 @pytest.mark.slow
 def test_variants_compile(tmp_path):
     """GEMM 1 fed by the gather kernel + TMA, and the single-wgmma (N = 2*BN) experiment; the default's fused
     cp.async gather is checked in the preset test."""
     pytest.importorskip("cutlass")
     spec = load_spec("qwen3-30b-a3b")
-    art = _compile_all(emit(solve(spec, "sm_90a", gemm1_a_load="tma")), tmp_path / "tma")
+    art = _compile_all(emit(solve(spec, "sm_90a", gemm1_a_load="tma", w_hint="first", a_hint="last")), tmp_path / "tma")
     assert "cp.async.cg.shared.global" not in (Path(art.dir) / "gemm1.ptx").read_text()
+    for k in ("gemm1", "gemm2"):  # every TMA load of both GEMMs carries an L2 cache policy
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\S*", ptx)
+        assert loads and all(ld.endswith(".L2::cache_hint") for ld in loads), (k, set(loads))
     assert (Path(art.dir) / "gather.ptx").is_file()
     art = _compile_all(emit(solve(spec, "sm_90a"), experimental=("gemm1_two_mma", "gemm1_gather_lag")), tmp_path / "two")
     ptx = (Path(art.dir) / "gemm1.ptx").read_text()

@@ -205,3 +205,30 @@ def test_parse_overrides():
     assert parse_overrides("") == {}
     with pytest.raises(PlanError, match=r"^plan: expected KEY=VALUE, got 'cluster'"):
         parse_overrides("cluster")
+
+
+def test_l2_hint_and_raster_overrides():
+    spec = load_spec("kimi-k2")
+    base = solve(spec)
+    assert base.gemm1.w_hint == base.gemm2.a_hint == "normal"
+    p = solve(spec, w_hint="first", gemm2_a_hint="last", gemm1_raster_group=32)
+    assert (p.gemm1.w_hint, p.gemm2.w_hint, p.gemm1.a_hint, p.gemm2.a_hint) == ("first", "first", "normal", "last")
+    assert (p.gemm1.raster_group, p.gemm2.raster_group) == (32, base.gemm2.raster_group)
+    assert Plan.from_dict(json.loads(p.canonical_json())) == p
+    # "a_hint" names both GEMMs but applies only where TMA loads A (GEMM 2; GEMM 1 with a_load "tma")
+    both = solve(spec, a_hint="first")
+    assert (both.gemm1.a_hint, both.gemm2.a_hint) == ("normal", "first")
+    assert solve(spec, gemm1_a_load="tma", a_hint="first").gemm1.a_hint == "first"
+    with pytest.raises(PlanError, match=r"^plan.gemm1_a_hint: GEMM 1 reads A by 'gather'"):
+        solve(spec, gemm1_a_hint="first")
+    with pytest.raises(PlanError, match=r"^plan.w_hint: must be one of normal, first, last"):
+        solve(spec, w_hint="persist")
+    with pytest.raises(PlanError, match=r"^plan.w_hint: the fused schedule"):
+        solve(spec, schedule="fused", w_hint="first")
+    with pytest.raises(PlanError, match=r"^plan.gemm2_raster_group: must be in \[1, 64\]"):
+        solve(spec, gemm2_raster_group=65)
+    # a plan written before the hint fields existed still loads (they default to "normal")
+    d = base.to_dict()
+    for g in ("gemm1", "gemm2"):
+        del d[g]["w_hint"], d[g]["a_hint"]
+    assert Plan.from_dict(d) == base
