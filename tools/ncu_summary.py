@@ -1,0 +1,87 @@
+"""Nsight Compute output of tools/device_ncu.sh -> a table and JSON records (kernel author's tool, any machine).
+
+    python tools/ncu_summary.py RAW_CSV LABELS_TXT [--json OUT] [--run NAME] [--all]
+
+RAW_CSV is ``ncu -i prof.ncu-rep --page raw --csv``, LABELS_TXT the stdout of tools/ncu_profile.py (its
+``label ITEM PHASE`` lines name ncu's kernels in order). Prints one row per GEMM kernel (``--all``: every kernel)
+with the counters below, where ncu collected them, and appends one record per kernel to OUT (a JSON list).
+ncu's numbers are single launches with the clocks left alone: compare bytes, instructions and per-clock
+utilisation, not milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+# (column, ncu metric, scale) -- the units are those ncu's raw page gives for these metrics on the H200
+METRICS = [
+    ("ms", "gpu__time_duration.sum", 1.0),
+    ("sm_ghz", "gpc__cycles_elapsed.avg.per_second", 1.0),
+    ("tensor_active_pct", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", 1.0),
+    ("dram_read_gb", "dram__bytes_read.sum", 1.0),
+    ("dram_write_mb", "dram__bytes_write.sum", 1.0),
+    ("l2_to_sm_gb", "l1tex__m_xbar2l1tex_read_bytes.sum", 1.0),
+    ("minst", "smsp__inst_executed.sum", 1e-6),
+    ("gmma_minst", "smsp__sass_inst_executed_op_shared_gmma.sum", 1e-6),
+]
+
+
+def _units(hdr, units) -> dict[str, str]:
+    return {h: u for h, u in zip(hdr, units)}
+
+
+def load(raw_csv: str | Path, labels_txt: str | Path) -> list[dict]:
+    rows = list(csv.reader(open(raw_csv, newline="")))
+    hi = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    hdr, units, data = rows[hi], rows[hi + 1], rows[hi + 2:]
+    labels = [line.split(None, 1)[1].strip() for line in open(labels_txt) if line.startswith("label ")]
+    if len(labels) != len(data):
+        raise SystemExit(f"ncu_summary: {len(data)} kernels in {raw_csv} but {len(labels)} labels in {labels_txt}")
+    ix = {h: i for i, h in enumerate(hdr)}
+    u = _units(hdr, units)
+    out = []
+    for label, d in zip(labels, data):
+        item, phase = label.rsplit(" ", 1)
+        rec = {"item": item, "phase": phase, "kernel": d[ix["Kernel Name"]][:60] if "Kernel Name" in ix else None}
+        for col, metric, scale in METRICS:
+            if metric in ix and d[ix[metric]].strip():
+                try:
+                    rec[col] = float(d[ix[metric]].replace(",", "")) * scale
+                except ValueError:
+                    continue
+                rec.setdefault("units", {})[col] = u.get(metric, "")
+        out.append(rec)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw_csv")
+    ap.add_argument("labels")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--run", default=None, help="a name for this run (commit, date) stored in every record")
+    ap.add_argument("--all", action="store_true")
+    a = ap.parse_args(argv)
+    recs = load(a.raw_csv, a.labels)
+    cols = [c for c, _, _ in METRICS if any(c in r for r in recs)]
+    print(f"{'item':66s} {'phase':7s}" + "".join(f"{c:>18s}" for c in cols))
+    for r in recs:
+        if not a.all and not r["phase"].startswith("gemm"):
+            continue
+        print(f"{r['item'][:66]:66s} {r['phase']:7s}" + "".join(
+            f"{r.get(c, math.nan):18.4g}" for c in cols))
+    if a.json:
+        p = Path(a.json)
+        old = json.loads(p.read_text()) if p.exists() else []
+        for r in recs:
+            r["run"] = a.run
+        p.write_text(json.dumps(old + recs, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
