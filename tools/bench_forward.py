@@ -331,7 +331,7 @@ def variant_name(ov: dict[str, Any]) -> str:
 
 
 def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, device, loop_reps: int,
-                seed: int, variants: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                seed: int, variants: list[dict[str, Any]] | None = None, rounds: int = 1) -> list[dict[str, Any]]:
     shape = spec.name
     dims = spec_dims(spec)
     flops = spec_flops(spec)
@@ -347,6 +347,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
     _log(f"[{shape}] reference ({ref_name}, {ref_dtype}) {time.perf_counter() - t0:.1f}s")
 
     results: dict[str, dict[str, Any]] = {}
+    timed: dict[str, Callable[[], Any]] = {}  # re-timed in rounds 2.. (everything but torch_loop)
 
     def run(impl: str, fn: Callable[[], Any], check: bool, reps: int | None = None, warmup: int | None = None):
         t1 = time.perf_counter()
@@ -357,7 +358,9 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
             err = rel_err(out1, ref) if check else None
             del out1, out2
             ms = timer(fn, reps=reps, warmup=warmup)
-            results[impl] = dict(ms=ms, err=err, det=det, error=None)
+            results[impl] = dict(ms=ms, err=err, det=det, error=None, rounds=[ms])
+            if rounds > 1 and reps is None:
+                timed[impl] = fn
             _log(f"[{shape}] {impl}: {ms:.4f} ms  {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s  rel_err="
                  f"{'-' if err is None else f'{err:.2e}'}  det={det}  ({time.perf_counter() - t1:.1f}s)")
         except Exception as e:  # noqa: BLE001 - record and go on with the other implementations
@@ -370,6 +373,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
         run("torch_grouped_mm", lambda: B.torch_grouped_mm(*args, **kw), check=True)
     mokgen_runs = [("mokgen", None)] if "mokgen" in impls else []
     mokgen_runs += [(variant_name(v), v) for v in (variants or [])]
+    keep = []  # the compiled layers re-timed in later rounds
     for name, ov in mokgen_runs:
         try:
             import mokgen
@@ -381,6 +385,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
             run(name, lambda: moe(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
                                   inp["b1"], inp["b2"]), check=True)
             moe.check_errors()
+            if name in timed:
+                keep.append(moe)
         except Exception as e:  # noqa: BLE001
             if name not in results or results[name].get("error") is None:
                 results[name] = dict(ms=None, err=None, det=None, error=_short_error(e))
@@ -392,7 +398,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
     if "torch_gemm_only" in impls:
         try:
             g_inp = B.prepare_gemm_only(inp["x"], inp["topk_idx"], inp["w1"], inp["w2"], spec)
-            run("torch_gemm_only", lambda: B.torch_gemm_only(g_inp), check=False)
+            run("torch_gemm_only", lambda g=g_inp: B.torch_gemm_only(g), check=False)
             del g_inp
         except Exception as e:  # noqa: BLE001
             results["torch_gemm_only"] = dict(ms=None, err=None, det=None, error=_short_error(e))
@@ -401,17 +407,32 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
             gen = torch.Generator(device=device)
             gen.manual_seed(seed + 7)
             d_inp = B.prepare_dense_layer(inp["x"], inp["w1"], inp["w2"], dims["rows"], generator=gen)
-            run("dense_layer_mm", lambda: B.dense_layer_mm(d_inp), check=False)
+            run("dense_layer_mm", lambda d=d_inp: B.dense_layer_mm(d), check=False)
             del d_inp
         except Exception as e:  # noqa: BLE001
             results["dense_layer_mm"] = dict(ms=None, err=None, det=None, error=_short_error(e))
     if "torch_loop" in impls:
         run("torch_loop", lambda: B.torch_loop(*args, **kw), check=True, reps=loop_reps, warmup=1)
+    # rounds 2..: every implementation timed again, interleaved, so that drift of the clock over the run (the
+    # power cap, temperature) spreads over all of them; each one's median is the median of its rounds
+    for r in range(1, rounds):
+        for impl, fn in timed.items():
+            results[impl]["rounds"].append(timer(fn))
+        _log(f"[{shape}] round {r + 1}: " + "  ".join(f"{i} {results[i]['rounds'][-1]:.4f}" for i in timed))
+    for impl in timed:
+        rs = sorted(results[impl]["rounds"])
+        results[impl]["ms"] = rs[len(rs) // 2] if len(rs) % 2 else 0.5 * (rs[len(rs) // 2 - 1] + rs[len(rs) // 2])
+    for moe in keep:
+        moe.check_errors()
+    del keep
 
     base = results.get("torch_grouped_mm", {}).get("ms")
     order = [i for i in IMPLS if i in results] + sorted(i for i in results if i not in IMPLS)
     recs = [_record(ctx, shape, dims, i, results[i]["ms"], flops, base, results[i]["err"], results[i]["det"],
                     results[i]["error"]) for i in order]
+    for rec, i in zip(recs, order):
+        if len(results[i].get("rounds", ())) > 1:
+            rec["round_ms"] = results[i]["rounds"]
     del inp, ref, args, kw
     return recs
 
@@ -503,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny specs, CPU-capable baselines only")
+    ap.add_argument("--rounds", type=int, default=1, help="time every implementation (but torch_loop) this many "
+                    "times, interleaved, and record the median of the rounds (default 1)")
     ap.add_argument("--variants", default=None, help="extra mokgen plans to time, recorded as impl "
                     "'mokgen[k=v,...]': ';'-separated variants of ','-separated plan overrides, e.g. "
                     "'schedule=chain;schedule=fused'")
@@ -557,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         if shape_impls:
             for i, spec in enumerate(specs):
                 records += bench_shape(spec, shape_impls, ctx, timer, device, args.loop_reps, args.seed + i,
-                                       variants=[] if device.type == "cpu" else parse_variants(args.variants))
+                                       variants=[] if device.type == "cpu" else parse_variants(args.variants),
+                                       rounds=max(1, args.rounds))
                 _free(device)
         if "dense_mm" in impls:
             n = args.dense_size or (256 if device.type == "cpu" else 8192)

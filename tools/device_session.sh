@@ -6,7 +6,7 @@
 #   CHECK_BUILDS   built libraries to check and time, "DIR:SPEC ..." (default: every .prebuilt/<spec>[@variant])
 #   BENCH_SPECS    presets for tools/bench_forward.py (default: its six)   BENCH_VARIANTS  its --variants
 #   BENCH_PLAN     instead: "SPEC[:V1;V2] ..." one bench_forward process per spec with its own variants, then
-#                  dense_mm once (BENCH_TIMEOUT is then per spec)
+#                  dense_mm once (BENCH_TIMEOUT is then per spec); BENCH_ROUNDS: bench_forward --rounds
 #   PROBE_BUILDS   "DIR:SPEC ..." for tools/probe_clocks.py (default: none)
 #   GPU_TESTS      1: run tests/test_gpu_forward.py (MOKGEN_GPU_PRESETS / MOKGEN_GPU_OVERRIDES pass through)
 #   GPU_TESTS_FUSED_PRESETS  presets to run that suite on with schedule=fused as well
@@ -53,7 +53,7 @@ if [ -n "$BENCH_PLAN" ]; then
   # one bench_forward process per spec (a crash costs that spec only), each with its own variants
   for entry in $BENCH_PLAN; do
     spec=${entry%%:*}; vars=""; [ "$entry" != "$spec" ] && vars=$(filter_variants "${entry#*:}")
-    timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py "$spec" --no-dense ${vars:+--variants "$vars"} \
+    timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py "$spec" --no-dense ${vars:+--variants "$vars"} ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
       --loop-reps 1 --out "$OUT/forward-h200.json" 2>>"$OUT/bench.log" | grep -E '^│ ' | cut -c1-130
     echo "bench $spec: exit ${PIPESTATUS[0]}"
   done
