@@ -382,8 +382,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
             moe = mokgen.compile(spec, overrides=ov)
             _log(f"[{shape}] {name}: mokgen.compile {time.perf_counter() - t1:.1f}s (schedule "
                  f"{getattr(moe.plan, 'schedule', '?')})")
-            run(name, lambda: moe(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
-                                  inp["b1"], inp["b2"]), check=True)
+            run(name, lambda m=moe: m(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
+                                      inp["b1"], inp["b2"]), check=True)
             moe.check_errors()
             if name in timed:
                 keep.append(moe)
