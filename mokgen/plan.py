@@ -68,6 +68,12 @@ EPI_M, EPI_N, EPI_BUFFERS = BM, 32, 2  # epilogue sub-tile (both warpgroups' row
 BARRIER_BYTES = 1024
 ELEM_BYTES = 2  # bf16
 RASTER_MAX = 8
+# Tall panels where one group's weights for a GEMM exceed L2/4 (they cannot stay in L2 from one panel to the
+# next, so every panel re-reads them from DRAM) and the routed groups span several panels (not _small_groups).
+# Measured with ncu on the H200 (bench/NOTES.md v5): GEMM 1, whose A rows come from x (shared by every panel),
+# reads 23-42% less from DRAM with panels of 32 M tiles than of 8; GEMM 2, whose h rows belong to one panel,
+# 12-30% less at 16 and more again at 32 once the panel's h rows stop fitting beside the streamed W tiles.
+TALL_RASTER = {1: 32, 2: 16}
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epilogue, SwiGLU): an estimate
 # Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
@@ -312,13 +318,24 @@ def _gemm1_a_load(spec: Spec) -> str:
     return "tma" if _small_groups(spec) else GEMM1_A_LOAD
 
 
+def _group_w_bytes(spec: Spec, which: int) -> int:
+    """Bytes of one group's weights for GEMM `which`."""
+    n, k = _gemm_shape(spec, which)
+    return n * k * ELEM_BYTES
+
+
+def _tall_raster(spec: Spec, arch: Arch, which: int) -> bool:
+    """Does GEMM `which` take TALL_RASTER panels? (see there)"""
+    return not _small_groups(spec) and _group_w_bytes(spec, which) > arch.l2_bytes // 4
+
+
 def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
     n, k = _gemm_shape(spec, which)
     return GemmPlan(
         bm=BM, bn=bn, bk=BK,
         stages=min(MAX_STAGES, _stages_fit(arch, bn)),
         consumer_wgs=CONSUMER_WGS, epi_m=EPI_M, epi_n=EPI_N,
-        raster_group=_raster_group(arch, k, bn),
+        raster_group=TALL_RASTER[which] if _tall_raster(spec, arch, which) else _raster_group(arch, k, bn),
         a_load=_gemm1_a_load(spec) if which == 1 else "tma",
         n_tiles=-(-n // bn), k_tiles=k // BK,
     )
@@ -613,8 +630,11 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         f"  registers: accumulator {BM // CONSUMER_WGS}x{g.bn} / {WARPGROUP} threads = {_acc_regs(g.bn)} "
         f"+ {REG_OVERHEAD} <= {_consumer_regs(arch)} per consumer thread; "
         f"{(CONSUMER_WGS + 1) * WARPGROUP} threads per CTA",
-        f"  raster: {PANEL_BYTES} <= L2/2  =>  r <= {RASTER_FIT} = {float(r_fit):.2f} "
-        f"-> raster_group = {g.raster_group}",
+        (f"  raster: one group's W = {_group_w_bytes(spec, which) / 2**20:.1f} MiB > L2/4 and routed groups of "
+         f">= {GATHER_MIN_GROUP_ROWS} rows span several panels -> tall panels: raster_group = {g.raster_group}"
+         if _tall_raster(spec, arch, which) else
+         f"  raster: {PANEL_BYTES} <= L2/2  =>  r <= {RASTER_FIT} = {float(r_fit):.2f} "
+         f"-> raster_group = {g.raster_group}"),
         f"  tiles = {_m_tiles(spec, g.bm) * (g.bm // g.tile_m)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "
         f"-> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
     ]
