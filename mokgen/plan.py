@@ -539,6 +539,10 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     gemms = {1: best.gemm1, 2: best.gemm2}
     if schedule == "fused":  # the fused kernel gathers its rows itself
         gemms[1] = dataclasses.replace(gemms[1], a_load="gather")
+        # ... and rasters inside its overlap chunks (~2 waves of tiles): the chain's tall panels do not apply
+        # (not measured on the fused kernel); a raster override below still does
+        gemms = {w: dataclasses.replace(g, raster_group=_raster_group(a, _gemm_shape(spec, w)[1], g.bn))
+                 for w, g in gemms.items()}
     for which in (1, 2):
         if (found := _gemm_override(overrides, which, "consumer")) is None:
             continue

@@ -168,6 +168,8 @@ def test_schedule_override():
     assert solve(spec).schedule == "chain"
     p = solve(spec, schedule="fused")
     assert p.schedule == "fused" and p.gemm1.bn == p.gemm2.bn and spec.hidden % p.gemm2.bn == 0
+    # the fused kernel rasters inside its overlap chunks: the chain's tall panels (kimi-k2: 32 / 16) do not apply
+    assert (solve(spec).gemm1.raster_group, p.gemm1.raster_group, p.gemm2.raster_group) == (32, 8, 8)
     assert Plan.from_dict(json.loads(p.canonical_json())) == p
     with pytest.raises(PlanError, match="plan.schedule: must be one of"):
         solve(spec, schedule="megakernel")

@@ -386,7 +386,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
                                       inp["b1"], inp["b2"]), check=True)
             moe.check_errors()
             if name in timed:
-                keep.append(moe)
+                keep.append((name, moe))
         except Exception as e:  # noqa: BLE001
             if name not in results or results[name].get("error") is None:
                 results[name] = dict(ms=None, err=None, det=None, error=_short_error(e))
@@ -416,14 +416,21 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
     # rounds 2..: every implementation timed again, interleaved, so that drift of the clock over the run (the
     # power cap, temperature) spreads over all of them; each one's median is the median of its rounds
     for r in range(1, rounds):
-        for impl, fn in timed.items():
-            results[impl]["rounds"].append(timer(fn))
+        for impl, fn in list(timed.items()):
+            try:
+                results[impl]["rounds"].append(timer(fn))
+            except Exception as e:  # noqa: BLE001 - a failure in a later round voids that implementation
+                results[impl] = dict(ms=None, err=None, det=None, error=f"round {r + 1}: {_short_error(e)}")
+                del timed[impl]
         _log(f"[{shape}] round {r + 1}: " + "  ".join(f"{i} {results[i]['rounds'][-1]:.4f}" for i in timed))
     for impl in timed:
         rs = sorted(results[impl]["rounds"])
         results[impl]["ms"] = rs[len(rs) // 2] if len(rs) % 2 else 0.5 * (rs[len(rs) // 2 - 1] + rs[len(rs) // 2])
-    for moe in keep:
-        moe.check_errors()
+    for name, moe in keep:  # a kernel timeout flagged during the later rounds voids that layer's numbers
+        try:
+            moe.check_errors()
+        except Exception as e:  # noqa: BLE001
+            results[name] = dict(ms=None, err=None, det=None, error=_short_error(e))
     del keep
 
     base = results.get("torch_grouped_mm", {}).get("ms")
