@@ -16,5 +16,5 @@ echo "sections:$secs"
 ITEMS=${ITEMS:-"kimi-k2 torch:layer:kimi-k2"}
 time timeout 420 $NCU --clock-control none --profile-from-start off $secs -o $OUT/prof python3 tools/ncu_profile.py $ITEMS > $OUT/labels.txt 2> $OUT/ncu.err
 echo "rc $?"; grep -c "^label" $OUT/labels.txt; grep "==PROF==\|==ERROR==\|==WARNING==" $OUT/labels.txt $OUT/ncu.err | head -20
-$NCU -i $OUT/prof.ncu-rep --page raw --csv > $OUT/raw.csv 2>&1; ls -la $OUT; rm -f $OUT/prof.ncu-rep.gz
+$NCU -i $OUT/prof.ncu-rep --page raw --csv > $OUT/raw.csv 2>&1; ls -la $OUT
 tail -5 $OUT/ncu.err
