@@ -19,22 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_check import Setup, resolve_item  # noqa: E402
-
-
-def _layer(spec_name: str):
-    from mokgen import baselines as B
-    from mokgen.spec import load_spec
-
-    spec = load_spec(spec_name)
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(3)
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
-
-    d = B.prepare_dense_layer(rnd(spec.tokens, spec.hidden), rnd(1, 2 * spec.ffn, spec.hidden),
-                              rnd(1, spec.hidden, spec.ffn), spec.rows, generator=gen)
-    return [("gemm1", lambda: torch.mm(d.x, d.w1t)), ("gemm2", lambda: torch.mm(d.h, d.w2t))]
+from probe_clocks import _torch_item  # noqa: E402  (the bench's dense_layer_mm operands, each GEMM alone)
 
 
 def main(argv=None) -> int:
@@ -47,7 +32,8 @@ def main(argv=None) -> int:
     cudart = torch.cuda.cudart()
     for item in items:
         if item.startswith("torch:layer:"):
-            steps = _layer(item.split(":", 2)[2])
+            _, phases = _torch_item("layer", item.split(":", 2)[2])
+            steps = [(name, fn) for name, (fn, _) in phases.items() if name != "chain"]
             for _, fn in steps:
                 fn()
             torch.cuda.synchronize()

@@ -30,10 +30,6 @@ METRICS = [
 ]
 
 
-def _units(hdr, units) -> dict[str, str]:
-    return {h: u for h, u in zip(hdr, units)}
-
-
 def load(raw_csv: str | Path, labels_txt: str | Path) -> list[dict]:
     rows = list(csv.reader(open(raw_csv, newline="")))
     hi = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
@@ -42,7 +38,7 @@ def load(raw_csv: str | Path, labels_txt: str | Path) -> list[dict]:
     if len(labels) != len(data):
         raise SystemExit(f"ncu_summary: {len(data)} kernels in {raw_csv} but {len(labels)} labels in {labels_txt}")
     ix = {h: i for i, h in enumerate(hdr)}
-    u = _units(hdr, units)
+    u = dict(zip(hdr, units))
     out = []
     for label, d in zip(labels, data):
         item, phase = label.rsplit(" ", 1)
