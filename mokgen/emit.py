@@ -120,23 +120,47 @@ def _check_smem(plan: Plan, smem: int, what: str) -> None:
         raise EmitError(f"{what} need {smem} bytes of shared memory, limit {limit}")
 
 
-def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> dict[str, Any]:
+def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = (), save_z: bool = False) -> dict[str, Any]:
+    """Forward GEMM `which` (1: gathered x . W1 with the SwiGLU epilogue, saving z when `save_z`; 2: h . W2 with
+    the routing weight)."""
     spec = plan.spec
     g = plan.gemm1 if which == 1 else plan.gemm2
-    H, I, G = spec.hidden, spec.ffn, spec.groups
+    H, I = spec.hidden, spec.ffn
     if which == 1:
         if g.bn % 2:
             raise EmitError(f"plan.gemm1.bn: must be even (gate and up halves), got {g.bn}")
-        bn = g.bn // 2
-        n_out, k_dim, parts = I, H, 2
         n_stride, p_stride = _w1_strides(spec)
-        g_stride = 2 * I * H
-    else:
-        bn = g.bn
-        n_out, k_dim, parts = H, I, 1
-        n_stride, p_stride, g_stride = I, H * I, H * I
-    a_gather = which == 1 and g.a_load == "gather"
-    a_rows = which == 1 and g.a_load == "tma_rows"  # tiles are 64 or 128 rows: whole 32-row producer warps
+        return _grouped_params(
+            plan, g, "gemm1", bn=g.bn // 2, n_out=I, k_dim=H, parts=2, n_stride=n_stride, k_stride=1,
+            p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu", save_z=save_z,
+            has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows",
+            single_mma="gemm1_two_mma" not in experimental, experimental=experimental)
+    return _grouped_params(
+        plan, g, "gemm2", bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
+        g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias), experimental=experimental)
+
+
+def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
+    """The backward's dgrad GEMMs: W read N-major (transposed), A = contiguous rows by TMA.
+    dgrad1: dOg [rows, H] . W2[g] (N = I) -> dSwiGLU epilogue; dgrad2: dz [rows, 2I] . W1[g] (N = H) -> store."""
+    spec = plan.spec
+    H, I = spec.hidden, spec.ffn
+    g = getattr(plan.backward, name)
+    if name == "dgrad1":
+        if I % g.bn:
+            raise EmitError(f"plan.backward.dgrad1.bn: {g.bn} must divide ffn {I} (the dSwiGLU epilogue)")
+        return _grouped_params(plan, g, name, bn=g.bn, n_out=I, k_dim=H, parts=1, n_stride=1, k_stride=I,
+                               p_stride=H * I, g_stride=H * I, b_mn=True, epilogue="dswiglu")
+    return _grouped_params(plan, g, name, bn=g.bn, n_out=H, k_dim=2 * I, parts=1, n_stride=1, k_stride=H,
+                           p_stride=2 * I * H, g_stride=2 * I * H, b_mn=True, epilogue="store")
+
+
+def _grouped_params(plan: Plan, g: Any, what: str, *, bn: int, n_out: int, k_dim: int, parts: int, n_stride: int,
+                    k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str, save_z: bool = False,
+                    has_bias: bool = False, a_gather: bool = False, a_rows: bool = False, single_mma: bool = False,
+                    experimental: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The render context of templates/sm90/grouped_gemm.py.j2 for one GEMM plan `g`."""
+    spec = plan.spec
     producer_regs, consumer_regs = _REGS["gather" if a_gather else "tma"]
     pingpong = g.consumer == "pingpong"
     tile_m = g.tile_m  # Plan checks that it divides plan.bm
@@ -145,19 +169,26 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
     epi_stages = 4 if "epi_buffers4" in experimental else _EPI_STAGES
     epi_sets = 2 if pingpong else 1  # ping-pong: each consumer warpgroup has its own epilogue buffers
     smem = g.stages * stage_bytes + epi_sets * tile_m * epi_n * 2 * epi_stages + _SMEM_BARRIERS
-    _check_smem(plan, smem, f"plan.gemm{which}: {g.stages} stages")
+    _check_smem(plan, smem, f"plan.{what}: {g.stages} stages")
     if k_dim % g.bk:
-        raise EmitError(f"plan.gemm{which}.bk: {g.bk} does not divide K={k_dim}")
+        raise EmitError(f"plan.{what}.bk: {g.bk} does not divide K={k_dim}")
     activation, act_limit = _activation(spec)
+    z_n, z_p = (s // spec.hidden for s in _w1_strides(spec))
     return dict(
         n_out=n_out,
         k_dim=k_dim,
-        groups=G,
+        groups=spec.groups,
         parts=parts,
         n_stride=n_stride,
+        k_stride=k_stride,
         p_stride=p_stride,
         g_stride=g_stride,
-        has_bias=bool(spec.bias),
+        b_mn=b_mn,
+        epilogue=epilogue,
+        save_z=save_z,
+        z_n=z_n,
+        z_p=z_p,
+        has_bias=has_bias,
         bm=tile_m,
         group_m=plan.bm,
         pingpong=pingpong,
@@ -177,7 +208,7 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = ()) -> 
         consumer_regs=consumer_regs,
         activation=activation,
         act_limit=act_limit,
-        single_mma=which == 1 and "gemm1_two_mma" not in experimental,
+        single_mma=single_mma,
         gather_noinc=a_gather and "gemm1_gather_lag" not in experimental,
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],
@@ -246,7 +277,8 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
                **_fused_params(plan, "fused_epi_tma" in experimental),
                profile="fused_profile" in experimental, epi_tma="fused_epi_tma" in experimental)
         return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
-    if plan.gemm1.a_load == "tma":
+    training = plan.backward is not None
+    if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it
         render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128)
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1, experimental))
@@ -254,4 +286,31 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
            f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2, experimental))
     render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
            slots=spec.topk + spec.shared_experts, threads=128)
+    if training:
+        render("sm90/grouped_gemm.py.j2", "gemm1_train",
+               f"GEMM 1 of {spec.name} for training: as gemm1, and saves the pre-activation z for the backward",
+               **_gemm_params(plan, 1, experimental, save_z=True))
+        render("sm90/grouped_gemm.py.j2", "dgrad1",
+               f"Backward GEMM dgrad1 of {spec.name}: dO rows x W2 (transposed), dSwiGLU + router-gradient epilogue",
+               **_dgrad_params(plan, "dgrad1"))
+        render("sm90/grouped_gemm.py.j2", "dgrad2",
+               f"Backward GEMM dgrad2 of {spec.name}: dz x W1 (transposed) -> per-slot dx rows",
+               **_dgrad_params(plan, "dgrad2"))
+        for name, what in (("wgrad1", "dW1 = dzᵀ . x rows"), ("wgrad2", "dW2 = dO rowsᵀ . (s a)")):
+            for acc in (False, True):
+                render("sm90/wgrad.py.j2", name + ("_acc" if acc else ""),
+                       f"Backward GEMM {name} of {spec.name}: {what} per expert group (varlen K)"
+                       + (", added into fp32 main_grad" if acc else ""), **_wgrad_params(plan, name, acc))
     return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
+
+
+def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
+    """templates/sm90/wgrad.py.j2: out[g] (M x N) = A[rows of g]ᵀ . B[rows of g], fp32 accumulate."""
+    from .plan import backward_shape
+
+    g = getattr(plan.backward, name)
+    m, n, _ = backward_shape(plan.spec, name)
+    producer_regs, consumer_regs = _REGS["tma"]
+    return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
+                stages=g.stages, epi_n=_EPI_N, epi_stages=_EPI_STAGES, raster=g.raster_group, accumulate=accumulate,
+                producer_regs=producer_regs, consumer_regs=consumer_regs)

@@ -6,10 +6,9 @@ Pieces (docs/contract.md, "Device workspace and kernels" and "runtime"):
 * :func:`load_library`: ``libcute_dsl_runtime.so`` (RTLD_GLOBAL) then ``libmokgen.so`` through tvm-ffi.
 * :class:`CompiledMoE`: validated calls ``routing -> gemm1 -> gemm2 -> combine`` on the current torch stream, no
   host sync on the hot path; routing errors are reported by ``check=True`` or :meth:`CompiledMoE.check_errors`.
-* ``torch.ops.mokgen.moe_forward`` (a ``torch.library`` custom op with a fake impl) and its autograd formula.
-  **Backward kernels are not yet generated; backward runs in torch** (``mokgen.reference.backward`` in float32
-  on the bf16 inputs, through the opaque op ``torch.ops.mokgen.moe_backward``): correct, deterministic, slow,
-  and it syncs the host (per-expert counts).
+* ``torch.ops.mokgen.moe_forward`` (inference) and ``torch.ops.mokgen.moe_forward_train`` (a custom op that
+  also returns the per-call state the backward needs: z and the routing metadata) with its autograd formula,
+  ``torch.ops.mokgen.moe_backward``: the generated backward kernels (:meth:`CompiledMoE.backward`), no host sync.
 * :class:`MoE`: an ``nn.Module`` owning the expert weights.
 * :func:`compile`: spec -> plan -> sources -> cache / build -> :class:`CompiledMoE`.
 """
@@ -48,6 +47,7 @@ __all__ = [
     "find_runtime_library",
     "load_library",
     "CompiledMoE",
+    "Saved",
     "moe_forward",
     "MoE",
     "compile",
@@ -58,7 +58,10 @@ __all__ = [
 KERNELS = ("routing", "gemm1", "gemm2", "combine")
 FUSED_KERNELS = ("routing", "fused")
 FUSED_SYNC_HEAD = 4        # int32 counters ahead of the per-M-tile ones (templates/sm90/fused.py.j2: SYNC_DONE1)
-GATHER_KERNEL = "gather"   # only for plans whose GEMM 1 loads A by TMA (plan.gemm1.a_load == "tma")
+GATHER_KERNEL = "gather"   # plans whose GEMM 1 loads A by TMA (plan.gemm1.a_load == "tma"), and training
+# the training kernels (chain schedule): GEMM 1 saving z, the backward's dgrad and wgrad GEMMs (the *_acc wgrads
+# add into fp32 main_grad); the backward also runs gather (rows of dO and of x) and combine (dx over the slots)
+TRAIN_KERNELS = ("gemm1_train", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")
 RUNTIME_LIB_NAME = "libcute_dsl_runtime.so"
 MODULE_LIB_NAME = "libmokgen.so"
 
@@ -104,10 +107,17 @@ def is_fused(plan: Any) -> bool:
     return getattr(plan, "schedule", "chain") == "fused"
 
 
+def has_training(plan: Any) -> bool:
+    """Does the plan's library hold the training kernels? (chain-schedule plans with a backward plan)"""
+    return getattr(plan, "backward", None) is not None and not is_fused(plan)
+
+
 def kernels_of(plan: Any) -> tuple[str, ...]:
     """The kernel names a plan's library exports (in launch order)."""
     if is_fused(plan):
         return FUSED_KERNELS
+    if has_training(plan):
+        return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + TRAIN_KERNELS
     return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
 
 
@@ -184,6 +194,28 @@ class Workspace:
                                                           self.slot_pos, self.h, self.ys, self.dummy_bias, self.xg,
                                                           self.sync)
                    if t is not None)
+
+
+@dataclass(eq=False)
+class Saved:
+    """What one training forward keeps for its backward (allocated per call from torch's caching allocator, so
+    calls on any streams, layers sharing one CompiledMoE and CUDA-graph captures never share it): the
+    pre-activation ``z [cap_rows, 2I]`` bf16 in W1's row order and the call's routing metadata. The caller's x,
+    topk_weight and weights are saved by reference, not copied."""
+
+    z: torch.Tensor
+    row_src: torch.Tensor
+    row_w: torch.Tensor
+    tile_group: torch.Tensor
+    meta: torch.Tensor
+    slot_pos: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.z, self.row_src, self.row_w, self.tile_group, self.meta, self.slot_pos)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -364,6 +396,9 @@ class CompiledMoE:
         self._workspaces: dict[tuple[str, int, int], Workspace] = {}
         self._sm_count: dict[tuple[str, int], int] = {}
         self._unchecked_errors = 0       # flags found (and cleared) by a check=True call before its own launch
+        self.trainable = has_training(plan)
+        self._train_flags: dict[torch.device, torch.Tensor] = {}  # sticky routing-error flags of training calls
+        self._dummies: dict[torch.device, torch.Tensor] = {}
         self._warned_int64 = False
         self.registry_id = next(_IDS)
         _REGISTRY[self.registry_id] = self
@@ -428,6 +463,12 @@ class CompiledMoE:
                 if ws.sync is not None and int(ws.sync[2]):
                     timed_out.append(ws.tokens)
                     ws.sync[2] = 0
+        for dev, flag in self._train_flags.items():   # training calls (their metadata is per call)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if int(flag[0]):
+                self._unchecked_errors += 1
+                flag.zero_()
         earlier = self._unchecked_errors
         self._unchecked_errors = 0
         if timed_out:
@@ -592,6 +633,162 @@ class CompiledMoE:
             raise KernelTimeoutError(self._timeout_msg())
         return y
 
+    # ---- training ---------------------------------------------------------------------------------------------
+
+    def _num_ctas(self, device: torch.device, num_ctas: int | None) -> int:
+        if num_ctas is None:
+            return self.default_num_ctas(device)
+        if not isinstance(num_ctas, int) or isinstance(num_ctas, bool) or num_ctas < 1:
+            raise self._err(f"num_ctas must be a positive int, got {num_ctas!r}")
+        return num_ctas
+
+    def _need_training(self) -> None:
+        if not self.trainable:
+            why = ("its plan uses the fused schedule (training runs the chain: compile with "
+                   "overrides={'schedule': 'chain'})" if self.fused else
+                   "its cache entry was built without the training kernels (rebuild: mokgen.compile(spec, force=True))")
+            raise RuntimeError(f"mokgen {self.name}: cannot train with these kernels: {why}")
+
+    def _dummy_bias(self, device: torch.device) -> torch.Tensor:
+        """A [1, 1] fp32 tensor passed as b1 / b2 when the spec has no bias (never read by the kernels)."""
+        t = self._dummies.get(device)
+        if t is None:
+            t = self._dummies[device] = torch.zeros((1, 1), dtype=torch.float32, device=device)
+        return t
+
+    def new_saved(self, tokens: int, device: torch.device) -> Saved:
+        """Fresh per-call buffers of a training forward for ``tokens`` tokens (``meta`` zeroed: its error flag is
+        only ever set by the routing kernel; everything else is written before it is read)."""
+        c = self.cfg
+        cap = cap_rows(tokens, c.topk, c.shared_experts, c.groups, self.bm)
+        e = dict(device=device)
+        return Saved(z=torch.empty((cap, 2 * c.ffn), dtype=torch.bfloat16, **e),
+                     row_src=torch.empty((cap,), dtype=torch.int32, **e),
+                     row_w=torch.empty((cap,), dtype=torch.float32, **e),
+                     tile_group=torch.empty((cap // self.bm,), dtype=torch.int32, **e),
+                     meta=torch.zeros((4,), dtype=torch.int32, **e),
+                     slot_pos=torch.empty((tokens, c.topk + c.shared_experts), dtype=torch.int32, **e))
+
+    def forward_train(self, x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *,
+                      num_ctas: int | None = None) -> tuple[torch.Tensor, Saved]:
+        """(y, saved): the forward of a training step. Same kernels as :meth:`__call__` except GEMM 1, which also
+        stores the pre-activation z; every buffer belongs to this call (nothing is shared with other calls).
+        Routing errors set a sticky flag that :meth:`check_errors` reports."""
+        self._need_training()
+        topk_idx = self.validate(x, topk_idx, topk_weight, w1, w2, b1, b2)
+        num_ctas = self._num_ctas(x.device, num_ctas)
+        c, T, dev = self.cfg, x.shape[0], x.device
+        y = torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
+        sv = self.new_saved(T, dev)
+        if T == 0:
+            return y, sv
+        cap = sv.z.shape[0]
+        h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)
+        ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
+        dummy = self._dummy_bias(dev)
+        f = self._fns
+        with self._stream(dev):
+            f["routing"](topk_idx, topk_weight, sv.row_src, sv.row_w, sv.tile_group, sv.meta, sv.slot_pos)
+            self._note_train_error(sv.meta)
+            a = x
+            if self.gather:
+                a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
+                f[GATHER_KERNEL](x, sv.row_src, sv.meta, a)
+            f["gemm1_train"](a, w1, b1 if b1 is not None else dummy, sv.row_src, sv.tile_group, sv.meta, h, sv.z,
+                             num_ctas)
+            f["gemm2"](h, w2, b2 if b2 is not None else dummy, sv.row_w, sv.tile_group, sv.meta, ys, num_ctas)
+            f["combine"](ys, sv.slot_pos, y)
+        return y, sv
+
+    def _note_train_error(self, meta: torch.Tensor) -> None:
+        flag = self._train_flags.get(meta.device)
+        if flag is None:
+            flag = self._train_flags[meta.device] = torch.zeros((1,), dtype=torch.int32, device=meta.device)
+        torch.maximum(flag, meta[1:2], out=flag)
+
+    def _group_onehot(self, tile_group: torch.Tensor) -> torch.Tensor:
+        """[G, tiles] bool: routing tile m belongs to group g (unused tiles are -1: no group)."""
+        g_ids = torch.arange(self.cfg.groups, dtype=torch.int32, device=tile_group.device)
+        return tile_group.unsqueeze(0) == g_ids.unsqueeze(1)
+
+    def backward(self, dy, saved: Saved, x, topk_weight, w1, w2, b1=None, b2=None, *,
+                 w1_main_grad: torch.Tensor | None = None, w2_main_grad: torch.Tensor | None = None,
+                 num_ctas: int | None = None) -> reference.Grads:
+        """Gradients of one :meth:`forward_train` call (``saved``) for the output gradient ``dy [T, H]``.
+
+        Kernels, in stream order: gather dO rows; dgrad1 (dA' = dO . W2, dSwiGLU epilogue: dz, s a and the
+        router-gradient partials); wgrad2 (dW2 per group, K = its rows); dgrad2 (dz . W1 per slot); combine (dx
+        over each token's slots in a fixed order); gather x rows; wgrad1 (dW1). No float atomics, no host sync:
+        bitwise deterministic and independent of ``num_ctas``. With ``w1_main_grad`` / ``w2_main_grad`` (fp32,
+        the weights' shapes) the weight gradients are added into them and returned as None.
+        """
+        self._need_training()
+        c = self.cfg
+        T, H, I, G, K = x.shape[0], c.hidden, c.ffn, c.groups, c.topk
+        if not isinstance(dy, torch.Tensor) or tuple(dy.shape) != (T, H) or dy.dtype != torch.bfloat16:
+            raise self._err(f"dy must be [T={T}, H={H}] bfloat16, got "
+                            f"{_fmt(dy) if isinstance(dy, torch.Tensor) else type(dy).__name__}")
+        dy = dy.contiguous()
+        for n, mg, w in (("w1_main_grad", w1_main_grad, w1), ("w2_main_grad", w2_main_grad, w2)):
+            if mg is not None and (mg.shape != w.shape or mg.dtype != torch.float32 or not mg.is_contiguous()
+                                   or mg.device != w.device):
+                raise self._err(f"{n} must be a contiguous float32 tensor shaped like the weight "
+                                f"[{', '.join(map(str, w.shape))}] on {w.device}, got {_fmt(mg)}")
+        num_ctas = self._num_ctas(x.device, num_ctas)
+        dev = x.device
+        if T == 0:   # nothing routed: zero gradients (the main_grad accumulators are left as they are)
+            z = torch.zeros_like
+            return reference.Grads(z(x), z(topk_weight), z(w1) if w1_main_grad is None else None,
+                                   z(w2) if w2_main_grad is None else None, None if b1 is None else z(b1),
+                                   None if b2 is None else z(b2))
+        dx = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        dw1 = torch.empty_like(w1) if w1_main_grad is None else None
+        dw2 = torch.empty_like(w2) if w2_main_grad is None else None
+        cap = saved.z.shape[0]
+        tiles = cap // self.bm
+        onehot = self._group_onehot(saved.tile_group)
+        group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
+        torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
+        buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
+        dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
+        sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
+        ds = torch.empty((cap, self.plan.backward.dgrad1.n_tiles), dtype=torch.float32, device=dev)
+        dummy = self._dummy_bias(dev)
+        db2 = None
+        f = self._fns
+        sv = saved
+        with self._stream(dev):
+            f[GATHER_KERNEL](dy, sv.row_src, sv.meta, buf)
+            f["dgrad1"](buf, w2, dummy, sv.row_w, sv.tile_group, sv.meta, sa, sv.z, dz, ds, num_ctas)
+            if b2 is not None:   # db2[g] = sum of s * dO over the group's rows (fixed order: per tile, then tiles)
+                part = torch.bmm(sv.row_w.view(tiles, 1, self.bm), buf.view(tiles, self.bm, H).float()).squeeze(1)
+                db2 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
+            if w2_main_grad is None:
+                f["wgrad2"](buf, sa, group_start, dw2, num_ctas)
+            else:
+                f["wgrad2_acc"](buf, sa, group_start, w2_main_grad, num_ctas)
+            f["dgrad2"](dz, w1, dummy, sv.row_w, sv.tile_group, sv.meta, buf, num_ctas)
+            f["combine"](buf, sv.slot_pos, dx)
+            f[GATHER_KERNEL](x, sv.row_src, sv.meta, buf)
+            if w1_main_grad is None:
+                f["wgrad1"](dz, buf, group_start, dw1, num_ctas)
+            else:
+                f["wgrad1_acc"](dz, buf, group_start, w1_main_grad, num_ctas)
+        # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>
+        pos = sv.slot_pos[:, :K].long()
+        valid = pos >= 0
+        posc = pos.clamp(min=0)
+        dtw = ds.sum(1)[posc]
+        if b2 is not None:
+            grp = sv.tile_group.long()[posc // self.bm].clamp(min=0)
+            dtw = dtw + torch.gather(dy.float() @ b2.t(), 1, grp)
+        dtw = torch.where(valid, dtw, 0.0).to(topk_weight.dtype)
+        db1 = None
+        if b1 is not None:   # db1[g] = sum of dz over the group's rows
+            part = torch.sum(dz.view(tiles, self.bm, 2 * I), dim=1, dtype=torch.float32)
+            db1 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
+        return reference.Grads(dx, dtw, dw1, dw2, db1, db2)
+
     def _timeout_msg(self) -> str:
         return (f"mokgen {self.name}: a dependency wait of the fused kernel timed out (a bug, or the GPU was "
                 "shared with a kernel that kept its SMs for seconds); that call's output is wrong")
@@ -602,8 +799,15 @@ class CompiledMoE:
 
 _FWD_SCHEMA = ("(Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2, "
                "int moe_id) -> Tensor")
-_BWD_SCHEMA = ("(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, "
-               "Tensor? b2, int moe_id) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+# the training forward returns y and the per-call state its backward needs (Saved's tensors, in that order); the
+# main_grad tensors ride along (unused by the forward) so that the backward can add into them
+_TRAIN_SCHEMA = ("(Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2, "
+                 "Tensor? w1_main_grad, Tensor? w2_main_grad, int moe_id) "
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor dy, Tensor x, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2, "
+               "Tensor z, Tensor row_src, Tensor row_w, Tensor tile_group, Tensor meta, Tensor slot_pos, "
+               "Tensor(a!)? w1_main_grad, Tensor(b!)? w2_main_grad, int moe_id) "
+               "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("mokgen::moe_forward", mutates_args=(), schema=_FWD_SCHEMA)
@@ -618,46 +822,86 @@ def _moe_forward_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
     return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("mokgen::moe_backward", mutates_args=(), schema=_BWD_SCHEMA)
-def _moe_backward_op(dy, x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
-    # Backward kernels are not yet generated: the reference math in torch, float32 on the bf16 inputs.
+@torch.library.custom_op("mokgen::moe_forward_train", mutates_args=(), schema=_TRAIN_SCHEMA)
+def _moe_forward_train_op(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id):
+    y, saved = _lookup(moe_id).forward_train(x, topk_idx, topk_weight, w1, w2, b1, b2)
+    return (y, *saved.tensors())
+
+
+@_moe_forward_train_op.register_fake
+def _moe_forward_train_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id):
     moe = _lookup(moe_id)
-    g = reference.backward(dy, x, topk_idx, topk_weight, w1, w2, moe.cfg, b1, b2, dtype=torch.float32)
+    c = moe.cfg
+    T = x.shape[0]
+    cap = (T * (c.topk + c.shared_experts) + c.groups * (moe.bm - 1) + moe.bm - 1) // moe.bm * moe.bm
+    e = x.new_empty
+    return (e((T, c.hidden), dtype=torch.bfloat16), e((cap, 2 * c.ffn), dtype=torch.bfloat16),
+            e((cap,), dtype=torch.int32), e((cap,), dtype=torch.float32), e((cap // moe.bm,), dtype=torch.int32),
+            e((4,), dtype=torch.int32), e((T, c.topk + c.shared_experts), dtype=torch.int32))
+
+
+@torch.library.custom_op("mokgen::moe_backward", mutates_args=("w1_main_grad", "w2_main_grad"), schema=_BWD_SCHEMA)
+def _moe_backward_op(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos,
+                     w1_main_grad, w2_main_grad, moe_id):
+    g = _lookup(moe_id).backward(dy, Saved(z, row_src, row_w, tile_group, meta, slot_pos), x, topk_weight, w1, w2,
+                                 b1, b2, w1_main_grad=w1_main_grad, w2_main_grad=w2_main_grad)
     empty = x.new_empty((0,), dtype=torch.float32)
-    return (g.x.to(x.dtype), g.topk_weight.to(topk_weight.dtype), g.w1.to(w1.dtype), g.w2.to(w2.dtype),
-            g.b1.to(b1.dtype) if b1 is not None else empty,
-            g.b2.to(b2.dtype) if b2 is not None else empty.clone())
+    return (g.x, g.topk_weight, g.w1 if g.w1 is not None else empty.clone(),
+            g.w2 if g.w2 is not None else empty.clone(), g.b1 if g.b1 is not None else empty.clone(),
+            g.b2 if g.b2 is not None else empty.clone())
 
 
 @_moe_backward_op.register_fake
-def _moe_backward_fake(dy, x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
-    def like(t):
-        return torch.empty_like(t) if t is not None else x.new_empty((0,), dtype=torch.float32)
+def _moe_backward_fake(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos,
+                       w1_main_grad, w2_main_grad, moe_id):
+    def like(t, absent):
+        return x.new_empty((0,), dtype=torch.float32) if absent else torch.empty_like(t)
 
-    return like(x), like(topk_weight), like(w1), like(w2), like(b1), like(b2)
+    return (torch.empty_like(x), torch.empty_like(topk_weight), like(w1, w1_main_grad is not None),
+            like(w2, w2_main_grad is not None), like(b1, b1 is None), like(b2, b2 is None))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id = inputs
-    ctx.save_for_backward(x, topk_idx, topk_weight, w1, w2, b1, b2)
+    x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x, topk_weight, w1, w2, b1, b2, *output[1:], w1_main_grad, w2_main_grad)
     ctx.moe_id = moe_id
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    ctx.main_grad = (w1_main_grad is not None, w2_main_grad is not None)
 
 
-def _backward(ctx, dy):
-    x, topk_idx, topk_weight, w1, w2, b1, b2 = ctx.saved_tensors
-    dx, dtw, dw1, dw2, db1, db2 = torch.ops.mokgen.moe_backward(dy.contiguous(), x, topk_idx, topk_weight, w1, w2,
-                                                                 b1, b2, ctx.moe_id)
-    return (dx, None, dtw, dw1, dw2, db1 if ctx.has_b1 else None, db2 if ctx.has_b2 else None, None)
+def _backward(ctx, dy, *_unused):
+    x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, mg1, mg2 = ctx.saved_tensors
+    dx, dtw, dw1, dw2, db1, db2 = torch.ops.mokgen.moe_backward(
+        dy.contiguous(), x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, mg1, mg2,
+        ctx.moe_id)
+    return (dx, None, dtw, None if ctx.main_grad[0] else dw1, None if ctx.main_grad[1] else dw2,
+            db1 if ctx.has_b1 else None, db2 if ctx.has_b2 else None, None, None, None)
 
 
-torch.library.register_autograd("mokgen::moe_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("mokgen::moe_forward_train", _backward, setup_context=_setup_context)
 
 
-def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: CompiledMoE) -> torch.Tensor:
-    """Differentiable y = MoE(x) through ``torch.ops.mokgen.moe_forward`` (torch.compile-able: fake impl
-    registered). The backward runs in torch (reference math, float32); backward kernels are not yet generated."""
-    return torch.ops.mokgen.moe_forward(x, topk_idx, topk_weight, w1, w2, b1, b2, moe.registry_id)
+def _inference_backward(ctx, dy):
+    raise RuntimeError("mokgen: torch.ops.mokgen.moe_forward is the inference op; call mokgen.moe_forward "
+                       "(or mokgen.MoE), which runs the training op when gradients are needed")
+
+
+torch.library.register_autograd("mokgen::moe_forward", _inference_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: CompiledMoE,
+                w1_main_grad: torch.Tensor | None = None, w2_main_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable y = MoE(x) (torch.compile-able: fake impls registered). When autograd needs gradients, the
+    training op runs (GEMM 1 also saves z; per-call routing metadata) and ``loss.backward()`` runs the generated
+    backward kernels; otherwise the inference kernels. ``w1_main_grad`` / ``w2_main_grad`` (fp32, the weights'
+    shapes): the weight gradients are added into them (Megatron-style) and w1 / w2 get no ``.grad``."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, topk_weight, w1, w2, b1, b2))
+    if not needs_grad:
+        return torch.ops.mokgen.moe_forward(x, topk_idx, topk_weight, w1, w2, b1, b2, moe.registry_id)
+    return torch.ops.mokgen.moe_forward_train(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad,
+                                              w2_main_grad, moe.registry_id)[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -678,11 +922,14 @@ class MoE(torch.nn.Module):
     ``w1 [G, 2I, H]``, ``w2 [G, H, I]`` (``dtype``, bf16) and, when ``spec.bias``, ``b1 [G, 2I]``, ``b2 [G, H]``
     (fp32), initialized like :func:`mokgen.reference.random_inputs` (N(0, 1/fan_in); biases N(0, 0.01)) from the
     global torch RNG. The kernels are compiled (or loaded from the cache) on the first forward, unless
-    ``compiled=`` is given. Backward runs in torch (backward kernels are not yet generated).
+    ``compiled=`` is given. ``loss.backward()`` runs the generated backward kernels. With ``main_grad=True``,
+    where ``w1.main_grad`` / ``w2.main_grad`` (fp32, the weights' shapes) exist, the weight gradients are added into
+    them (Megatron-style fp32 accumulation) and ``w1.grad`` / ``w2.grad`` stay None.
     """
 
     def __init__(self, spec: Any, arch: str | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.bfloat16, *, compiled: CompiledMoE | None = None):
+                 dtype: torch.dtype = torch.bfloat16, *, compiled: CompiledMoE | None = None,
+                 main_grad: bool = False):
         super().__init__()
         if dtype != torch.bfloat16:
             raise ValueError(f"mokgen.MoE: only bfloat16 expert weights are supported, got {dtype}")
@@ -690,6 +937,7 @@ class MoE(torch.nn.Module):
         self.cfg = layer_config(self.spec)
         self.arch = arch
         self._compiled = compiled
+        self.main_grad = bool(main_grad)
         c = self.cfg
         G, H, I = c.groups, c.hidden, c.ffn
         self.w1 = torch.nn.Parameter(torch.empty(G, 2 * I, H, device=device, dtype=dtype))
@@ -725,7 +973,10 @@ class MoE(torch.nn.Module):
         self._compiled = compile(self.spec, self.arch)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        return moe_forward(x, topk_idx, topk_weight, self.w1, self.w2, self.b1, self.b2, moe=self.compiled)
+        mg1 = getattr(self.w1, "main_grad", None) if self.main_grad else None
+        mg2 = getattr(self.w2, "main_grad", None) if self.main_grad else None
+        return moe_forward(x, topk_idx, topk_weight, self.w1, self.w2, self.b1, self.b2, moe=self.compiled,
+                           w1_main_grad=mg1, w2_main_grad=mg2)
 
     def check_errors(self) -> None:
         """See :meth:`CompiledMoE.check_errors`."""

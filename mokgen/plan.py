@@ -19,7 +19,7 @@ import sympy as sp
 from .spec import Spec
 
 __all__ = [
-    "Arch", "ARCHS", "get_arch", "GemmPlan", "Plan", "PlanError",
+    "Arch", "ARCHS", "get_arch", "GemmPlan", "BackwardPlan", "Plan", "PlanError",
     "cap_rows", "candidates", "solve", "explain", "OVERRIDES", "parse_overrides",
 ]
 
@@ -224,6 +224,61 @@ class GemmPlan:
         return cls(**_fields(cls, data, "plan.gemm"))
 
 
+# The backward's four expert-grouped GEMMs (bf16 in, fp32 accumulate; docs/contract.md "Backward"):
+#   dgrad1  dA' = dOg . W2          rows x I,  K = H   (dSwiGLU + router-gradient epilogue)
+#   dgrad2  dxs = dz . W1           rows x H,  K = 2I  (plain store; combine sums each token's slots)
+#   wgrad1  dW1[g] = dzᵀ . xg       2I x H per group, K = the group's rows (varlen-K)
+#   wgrad2  dW2[g] = dOgᵀ . (s a)   H x I  per group, K = the group's rows
+BACKWARD_GEMMS = ("dgrad1", "dgrad2", "wgrad1", "wgrad2")
+BWD_BN_CHOICES = (256, 192, 128, 64)  # widest first; 64 always divides (the spec keeps H, I multiples of 64)
+
+
+def backward_shape(spec: Spec, name: str) -> tuple[int, int, int | None]:
+    """(M, N, K) of a backward GEMM; M is None for the dgrads (rows of the padded row space), K None for the
+    wgrads (each group's rows)."""
+    H, I = spec.hidden, spec.ffn
+    return {"dgrad1": (None, I, H), "dgrad2": (None, H, 2 * I), "wgrad1": (2 * I, H, None),
+            "wgrad2": (H, I, None)}[name]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """Tiles of the backward GEMMs (GemmPlan each; a wgrad's k_tiles is 0: its K is each group's rows)."""
+
+    dgrad1: GemmPlan
+    dgrad2: GemmPlan
+    wgrad1: GemmPlan
+    wgrad2: GemmPlan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BackwardPlan":
+        d = _fields(cls, data, "plan.backward")
+        return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS})
+
+
+def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int) -> GemmPlan:
+    """Cooperative 128-row tiles; the widest tile N that divides N and fits (dgrad1's dSwiGLU epilogue needs
+    whole tiles of I: it reads z and writes dz per column)."""
+    m, n, k = backward_shape(spec, name)
+    bn = next(b for b in BWD_BN_CHOICES if n % b == 0 and _gemm_problem(spec, arch, 2, b) is None)
+    g = GemmPlan(
+        bm=bm if k is not None else BM, bn=bn, bk=BK,
+        stages=min(MAX_STAGES, _stages_fit(arch, bn)),
+        consumer_wgs=CONSUMER_WGS, epi_m=EPI_M, epi_n=EPI_N,
+        raster_group=_raster_group(arch, k, bn) if k is not None else RASTER_MAX,
+        a_load="tma", n_tiles=-(-n // bn), k_tiles=(k // BK) if k is not None else 0,
+    )
+    # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
+    return _with_consumer(arch, g, "pingpong") if k is not None and bm < BM else g
+
+
+def backward_plan(spec: Spec, arch: Arch, bm: int) -> BackwardPlan:
+    return BackwardPlan(**{n: _backward_gemm(spec, arch, n, bm) for n in BACKWARD_GEMMS})
+
+
 def fused_tiles_ok(spec: Spec, g1: GemmPlan, g2: GemmPlan) -> bool:
     """The fused kernel shares one B operand of bn rows between its GEMMs: gemm1.bn == gemm2.bn | hidden."""
     return g1.bn == g2.bn and spec.hidden % g2.bn == 0
@@ -245,6 +300,7 @@ class Plan:
     predicted_tflops: float
     notes: tuple[str, ...] = ()
     schedule: str = "chain"  # see SCHEDULES
+    backward: BackwardPlan | None = None  # the training kernels' tiles (None: a plan dict from before them)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -269,7 +325,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d.update(spec=self.spec.to_dict(), gemm1=self.gemm1.to_dict(), gemm2=self.gemm2.to_dict(),
-                 notes=list(self.notes))
+                 notes=list(self.notes), backward=self.backward.to_dict() if self.backward else None)
         return d
 
     @classmethod
@@ -277,6 +333,8 @@ class Plan:
         d = _fields(cls, data, "plan")
         d.update(spec=Spec.from_dict(d["spec"]), gemm1=GemmPlan.from_dict(d["gemm1"]),
                  gemm2=GemmPlan.from_dict(d["gemm2"]))
+        if d.get("backward") is not None:
+            d["backward"] = BackwardPlan.from_dict(d["backward"])
         return cls(**d)
 
     def canonical_json(self) -> str:
@@ -431,6 +489,7 @@ def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[
         waves1=round(c1.tiles / arch.sms, 3), waves2=round(c2.tiles / arch.sms, 3),
         predicted_ms=float(f"{ms:.6g}"), predicted_tflops=round(spec.flops_forward / ms / 1e9, 1),
         notes=_auto_notes(spec, arch, g2, c1, c2) + notes, schedule=schedule,
+        backward=backward_plan(spec, arch, bm),
     )
 
 
