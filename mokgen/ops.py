@@ -391,12 +391,16 @@ class CompiledMoE:
         missing = [n for n in self.kernels if n not in functions]
         if missing:
             raise ValueError(f"functions lacks kernel(s) {missing}")
-        self._fns = {n: functions[n] for n in self.kernels}
+        # training needs the training kernels (a built entry of a chain plan has them; injected functions may)
+        self.trainable = not self.fused and all(n in functions for n in TRAIN_KERNELS + (GATHER_KERNEL,))
+        self._fns = {n: functions[n] for n in self.kernels + (TRAIN_KERNELS + (GATHER_KERNEL,) if self.trainable else ())}
+        backward = getattr(plan, "backward", None)
+        # dgrad1's router-gradient partials: one column per N tile of its plan (reference kernels: one)
+        self.ds_tiles = backward.dgrad1.n_tiles if backward is not None else 1
         self.allow_cpu = allow_cpu
         self._workspaces: dict[tuple[str, int, int], Workspace] = {}
         self._sm_count: dict[tuple[str, int], int] = {}
         self._unchecked_errors = 0       # flags found (and cleared) by a check=True call before its own launch
-        self.trainable = has_training(plan)
         self._train_flags: dict[torch.device, torch.Tensor] = {}  # sticky routing-error flags of training calls
         self._dummies: dict[torch.device, torch.Tensor] = {}
         self._warned_int64 = False
@@ -752,7 +756,7 @@ class CompiledMoE:
         buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
         dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
         sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
-        ds = torch.empty((cap, self.plan.backward.dgrad1.n_tiles), dtype=torch.float32, device=dev)
+        ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
         dummy = self._dummy_bias(dev)
         db2 = None
         f = self._fns

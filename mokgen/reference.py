@@ -553,7 +553,57 @@ def ref_combine(ys, slot_pos, y) -> None:
     y.copy_(acc.to(y.dtype))
 
 
-def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False) -> dict[str, Callable[..., None]]:
+def ref_gemm1_train(x, w1, b1, row_src, tile_group, meta, h, z, num_ctas, *, cfg: LayerConfig, bm: int,
+                    gathered: bool = False) -> None:
+    """As :func:`ref_gemm1`, and z[r] = W1[g] x[row_src[r]] + b1[g] (bf16, W1's row order) for the used rows."""
+    for g, r0, r1 in _used_group_tiles(tile_group, meta, bm):
+        xs = (x[r0:r1] if gathered else x[row_src[r0:r1].long()]).float()
+        zz = xs @ w1[g].float().t()
+        if cfg.bias:
+            zz = zz + b1[g].float()
+        z[r0:r1] = zz.to(z.dtype)
+        gate, up = _split_gate_up(zz, cfg.gate_up_layout)
+        h[r0:r1] = _activation(gate, up, cfg).to(h.dtype)
+
+
+def ref_dgrad1(dog, w2, b2, row_w, tile_group, meta, sa, z, dz, ds, num_ctas, *, cfg: LayerConfig,
+               bm: int) -> None:
+    """For the used rows r of group g, with dA' = dO_g[r] W2[g] (fp32) and s = row_w[r]: dz[r] = act'(z[r]) * s dA'
+    (W1's row order), sa[r] = s * act(z[r]), and ds[r, n] = sum of dA' * a over dgrad1's N tile n (ds has one
+    column per N tile)."""
+    I = cfg.ffn
+    n_tiles = ds.shape[1]
+    for g, r0, r1 in _used_group_tiles(tile_group, meta, bm):
+        dap = dog[r0:r1].float() @ w2[g].float()
+        s = row_w[r0:r1].float().unsqueeze(1)
+        gate, up = _split_gate_up(z[r0:r1].float(), cfg.gate_up_layout)
+        a, dg, du = _activation_backward(gate, up, dap * s, cfg)
+        dz[r0:r1] = _merge_gate_up(dg, du, cfg.gate_up_layout).to(dz.dtype)
+        sa[r0:r1] = (a * s).to(sa.dtype)
+        ds[r0:r1] = (dap * a).view(r1 - r0, n_tiles, I // n_tiles).sum(2)
+
+
+def ref_dgrad2(dz, w1, b1, row_w, tile_group, meta, out, num_ctas, *, bm: int) -> None:
+    """out[r] = dz[r] W1[g] (bf16 store) for the used rows: the per-slot rows of dx."""
+    for g, r0, r1 in _used_group_tiles(tile_group, meta, bm):
+        out[r0:r1] = (dz[r0:r1].float() @ w1[g].float()).to(out.dtype)
+
+
+def ref_wgrad(a, b, group_start, out, num_ctas, *, accumulate: bool = False) -> None:
+    """out[g] (=, or += in fp32 when ``accumulate``) sum over rows r in [group_start[g], group_start[g+1]) of
+    a[r]ᵀ b[r] (fp32 math)."""
+    gs = group_start.tolist()
+    for g in range(len(gs) - 1):
+        r0, r1 = gs[g], gs[g + 1]
+        val = a[r0:r1].float().t() @ b[r0:r1].float()
+        if accumulate:
+            out[g] += val
+        else:
+            out[g] = val.to(out.dtype)
+
+
+def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
+                      training: bool = False) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (docs/contract.md), the plan's
     constants bound. A stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant
     with a ``gather`` kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the
@@ -589,9 +639,24 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         ref_combine(ys, slot_pos, y)
 
     fns = {"routing": routing, "gemm1": gemm1, "gemm2": gemm2, "combine": combine}
-    if gather:
+    if gather or training:
         def gather_(x, row_src, meta, xg):
             ref_gather(x, row_src, meta, xg, bm=bm)
 
         fns["gather"] = gather_
+    if training:
+        def gemm1_train(x, w1, b1, row_src, tile_group, meta, h, z, num_ctas):
+            ref_gemm1_train(x, w1, b1, row_src, tile_group, meta, h, z, num_ctas, cfg=cfg, bm=bm, gathered=gather)
+
+        def dgrad1(dog, w2, b2, row_w, tile_group, meta, sa, z, dz, ds, num_ctas):
+            ref_dgrad1(dog, w2, b2, row_w, tile_group, meta, sa, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
+
+        def dgrad2(dz, w1, b1, row_w, tile_group, meta, out, num_ctas):
+            ref_dgrad2(dz, w1, b1, row_w, tile_group, meta, out, num_ctas, bm=bm)
+
+        fns.update(gemm1_train=gemm1_train, dgrad1=dgrad1, dgrad2=dgrad2)
+        for name in ("wgrad1", "wgrad2"):
+            for acc in (False, True):
+                fns[name + ("_acc" if acc else "")] = (
+                    lambda a, b, gs, out, num_ctas, _acc=acc: ref_wgrad(a, b, gs, out, num_ctas, accumulate=_acc))
     return fns

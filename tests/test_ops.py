@@ -47,7 +47,7 @@ class Recorder:
 
 
 def emulated(cfg, plan=BM, gather=False, **kw):
-    rec = Recorder(ref.reference_kernels(cfg, BM, gather=gather))
+    rec = Recorder(ref.reference_kernels(cfg, BM, gather=gather, training=True))
     return CompiledMoE(cfg, plan, functions=rec.fns, allow_cpu=True, **kw), rec
 
 
@@ -447,13 +447,20 @@ def test_fake_impl_shapes():
     cfg = small(bias=True)
     moe, rec = emulated(cfg)
     args = op_args(cfg, moe, T=13)
+    cap = ops.cap_rows(13, cfg.topk, cfg.shared_experts, cfg.groups, BM)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         y = torch.ops.mokgen.moe_forward(*fargs)
         assert y.shape == (13, 32) and y.dtype == torch.bfloat16
+        out = torch.ops.mokgen.moe_forward_train(*fargs[:7], None, None, fargs[7])
+        assert [tuple(t.shape) for t in out] == [(13, 32), (cap, 32), (cap,), (cap,), (cap // BM,), (4,), (13, 4)]
         dy = torch.empty(13, 32, dtype=torch.bfloat16)
-        g = torch.ops.mokgen.moe_backward(dy, *fargs)
+        x, idx, w, w1, w2, b1, b2, mid = fargs
+        g = torch.ops.mokgen.moe_backward(dy, x, w, w1, w2, b1, b2, *out[1:], None, None, mid)
         assert [tuple(t.shape) for t in g] == [(13, 32), (13, 3), (7, 32, 32), (7, 32, 16), (7, 32), (7, 32)]
+        g = torch.ops.mokgen.moe_backward(dy, x, w, w1, w2, b1, b2, *out[1:], torch.empty(7, 32, 32),
+                                          torch.empty(7, 32, 16), mid)
+        assert [tuple(t.shape) for t in g][2:4] == [(0,), (0,)]   # added into main_grad instead
     assert rec.calls == []
     # meta tensors go through the fake impl too
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
@@ -464,10 +471,68 @@ def test_fake_impl_shapes():
 def test_opcheck(bias):
     cfg = small(bias=bias, T=12)
     moe, _ = emulated(cfg)
-    args = op_args(cfg, moe, T=12, requires_grad=True)
+    args = op_args(cfg, moe, T=12)
     torch.library.opcheck(torch.ops.mokgen.moe_forward.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
-                                      "test_aot_dispatch_dynamic"))
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    args = op_args(cfg, moe, T=12, requires_grad=True)
+    # (no test_aot_dispatch_dynamic here: the training op's state outputs hold unwritten rows past the used
+    # tiles, which that test compares; test_torch_compile_training covers the traced forward + backward)
+    torch.library.opcheck(torch.ops.mokgen.moe_forward_train.default, (*args[:7], None, None, args[7]),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_torch_compile_training():
+    """torch.compile(fullgraph=True) of forward + backward through mokgen.MoE equals eager (aot_eager here; the
+    GPU suite runs the inductor backend on the real kernels)."""
+    spec = tiny_spec()
+    moe, _ = emulated(spec)
+    torch.manual_seed(0)
+    layer = ops.MoE(spec, compiled=moe)
+    x, idx, w, *_ = ref.random_inputs(spec, tokens=16, seed=3)
+
+    def step(x, idx, w):
+        return layer(x, idx, w).float().square().sum()
+
+    grads = []
+    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        fn(xx, idx, w).backward()
+        grads.append((xx.grad, layer.w1.grad, layer.w2.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_inference_op_refuses_backward():
+    cfg = small(T=8)
+    moe, _ = emulated(cfg)
+    x, idx, w, w1, w2, b1, b2, mid = op_args(cfg, moe, T=8, requires_grad=True)
+    y = torch.ops.mokgen.moe_forward(x, idx, w, w1, w2, b1, b2, mid)
+    with pytest.raises(RuntimeError, match="inference op"):
+        y.float().sum().backward()
+
+
+def test_main_grad_accumulates_and_backward_is_per_call():
+    """main_grad: the wgrads add into fp32 buffers (w1/w2 get no .grad); two calls' saved state is their own
+    (f1, f2, b2, b1 equals each call run alone)."""
+    cfg = small(T=10)
+    moe, _ = emulated(cfg)
+    x, idx, w, w1, w2, b1, b2, mid = op_args(cfg, moe, T=10)
+    x2, idx2, w_2, *_ = inputs(cfg, T=10, seed=5)
+    dy = torch.randn(10, cfg.hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
+    alone = [moe.backward(dy, moe.forward_train(a, i, ww, w1, w2)[1], a, ww, w1, w2)
+             for a, i, ww in ((x, idx, w), (x2, idx2, w_2))]
+    s1, s2 = moe.forward_train(x, idx, w, w1, w2)[1], moe.forward_train(x2, idx2, w_2, w1, w2)[1]
+    g2, g1 = moe.backward(dy, s2, x2, w_2, w1, w2), moe.backward(dy, s1, x, w, w1, w2)
+    for got, want in ((g1, alone[0]), (g2, alone[1])):
+        for n in ("x", "topk_weight", "w1", "w2"):
+            assert torch.equal(getattr(got, n), getattr(want, n))
+    mg1, mg2 = torch.full(w1.shape, 0.5), torch.full(w2.shape, -0.25)
+    g = moe.backward(dy, s1, x, w, w1, w2, w1_main_grad=mg1, w2_main_grad=mg2)
+    assert g.w1 is None and g.w2 is None and torch.equal(g.x, g1.x)
+    assert rel_err(mg1 - 0.5, g1.w1.float()) < 1e-2 and rel_err(mg2 + 0.25, g1.w2.float()) < 1e-2
+    with pytest.raises(ops.MoEInputError, match="w1_main_grad must be a contiguous float32"):
+        moe.backward(dy, s1, x, w, w1, w2, w1_main_grad=torch.zeros(3))
 
 
 @pytest.mark.parametrize("cfg", [small(), small("swiglu_oai", None, "interleaved", bias=True, shared=0)],

@@ -45,6 +45,24 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def _profile(fn, reps: int = 5) -> dict:
+    """Device time per kernel name (ms per call, averaged over `reps` calls) from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            out[ev.key[:60]] = round(t / 1000 / reps, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:16])
+
+
 def check(name: str, overrides: dict, tokens: int | None, routing: str, timing: bool) -> dict:
     spec = load_spec(name)
     T = tokens or spec.tokens
@@ -99,6 +117,7 @@ def check(name: str, overrides: dict, tokens: int | None, routing: str, timing: 
 
         ms = _bench(ours)
         rec["fb_ms"], rec["tflops"] = ms, flops / ms / 1e9
+        rec["kernels_ms"] = _profile(ours)
         rec["fwd_train_ms"] = _bench(ours_fwd)
         rec["fwd_ms"] = _bench(lambda: moe(x, idx, tw, w1, w2, b1, b2))
         leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, tw, w1, w2, b1, b2)]

@@ -10,6 +10,9 @@
 #   PROBE_BUILDS   "DIR:SPEC ..." for tools/probe_clocks.py (default: none)
 #   GPU_TESTS      1: run tests/test_gpu_forward.py (MOKGEN_GPU_PRESETS / MOKGEN_GPU_OVERRIDES pass through)
 #   GPU_TESTS_FUSED_PRESETS  presets to run that suite on with schedule=fused as well
+#   BWD_TESTS      1: run tests/test_gpu_backward.py (MOKGEN_GPU_PRESETS / MOKGEN_GPU_OVERRIDES pass through)
+#   BENCH_BWD      1: run tools/bench_backward.py (BENCH_BWD_SPECS: its shapes; BENCH_ROUNDS: --rounds;
+#                  Liger comes from .whl/liger_kernel-0.8.5-py3-none-any.whl, installed above)
 source tools/device_env.sh || exit 1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
@@ -75,4 +78,12 @@ if [ -n "$GPU_TESTS_FUSED_PRESETS" ]; then  # the same suite on the fused schedu
   MOKGEN_GPU_PRESETS=$GPU_TESTS_FUSED_PRESETS MOKGEN_GPU_OVERRIDES=schedule=fused timeout "${TEST_TIMEOUT:-150}" \
     python3 -m pytest -q -x tests/test_gpu_forward.py >"$OUT/pytest-fused.log" 2>&1
   tail -15 "$OUT/pytest-fused.log"
+fi
+if [ "${BWD_TESTS:-0}" = 1 ]; then
+  timeout "${BWD_TEST_TIMEOUT:-540}" python3 -m pytest -q -x tests/test_gpu_backward.py >"$OUT/pytest-bwd.log" 2>&1
+  tail -15 "$OUT/pytest-bwd.log"
+fi
+if [ "${BENCH_BWD:-0}" = 1 ]; then
+  timeout "${BENCH_BWD_TIMEOUT:-540}" python3 tools/bench_backward.py $BENCH_BWD_SPECS ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
+    --out "$OUT/backward-h200.json" 2>"$OUT/bench-bwd.log" | tail -30; tail -3 "$OUT/bench-bwd.log"
 fi

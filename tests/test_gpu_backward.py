@@ -1,0 +1,574 @@
+"""The generated backward on a GPU (H200, sm_90a), against the float64 reference (``mokgen.reference.backward``).
+
+Per preset: every gradient (dx, d topk_weight, dw1, dw2, db1, db2) within 1e-2 relative error, no NaN, every
+element written (the caching allocator's free blocks are filled with NaN before each call, so an unwritten
+element of a fresh output reads NaN; main_grad buffers are pre-filled and compared as an accumulation; experts
+without rows must get exact zeros), through ``moe.forward_train`` / ``moe.backward`` and through autograd; special
+routings (one expert takes everything, empty experts, skewed); T = 1000 (no tile multiple) and T = 1; bitwise
+run-to-run and num_ctas (66 vs 132) determinism; two layers of one spec interleaved (f1, f2, b2, b1) give the
+bits of each run alone; fp32 main_grad accumulation (low level, and over 3 micro-batches through
+``mokgen.MoE(main_grad=True)``, deterministic); a whole forward+backward step captured in a CUDA graph replays
+with the eager bits; ``torch.compile(fullgraph=True)`` of a module using ``mokgen.MoE`` gives the eager bits
+forward and backward.
+
+``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets; ``MOKGEN_GPU_TOKENS`` caps the token count (default:
+each preset's own ``tokens``: the float64 reference is fast on an H200, and every preset then has many waves of
+tiles); ``MOKGEN_GPU_OVERRIDES`` (``k=v,...``) plan overrides for ``mokgen.compile``.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+if importlib.util.find_spec("mokgen") is None:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mokgen  # noqa: E402
+from mokgen import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
+if os.environ.get("MOKGEN_GPU_PRESETS"):
+    PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
+TOL = 1e-2
+OVERRIDES = dict(kv.split("=", 1) for kv in os.environ.get("MOKGEN_GPU_OVERRIDES", "").split(",") if "=" in kv)
+NAMES = ref.Grads._fields            # ("x", "topk_weight", "w1", "w2", "b1", "b2")
+DEV = "cuda"
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tokens(spec) -> int:
+    cap = os.environ.get("MOKGEN_GPU_TOKENS")
+    return min(spec.tokens, int(cap)) if cap else spec.tokens
+
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of t (as an integer tensor of its element size), for bitwise comparisons."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64, a slab at a time (one float64 copy of gpt-oss-120b's w1 would be 17 GB)."""
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    a2 = a.detach().reshape(a.shape[0] if a.dim() > 1 else 1, -1)
+    b2 = b.detach().reshape(a2.shape)
+    step = max(1, (1 << 25) // max(1, a2.shape[1]))
+    num = torch.zeros((), dtype=torch.float64, device=a.device)
+    den = torch.zeros((), dtype=torch.float64, device=a.device)
+    for i in range(0, a2.shape[0], step):
+        ai, bi = a2[i:i + step].double(), b2[i:i + step].double()
+        num += (ai - bi).square().sum()
+        den += bi.square().sum()
+    num, den = num.sqrt().item(), den.sqrt().item()
+    return num / den if den > 0 else num
+
+
+def poison_free_memory(*like: torch.Tensor | None) -> None:
+    """Fill blocks of the caching allocator with NaN and free them, so that the next allocations of these sizes
+    (the outputs of the call that follows) start as NaN: an element the kernels never write then fails the
+    NaN / error checks instead of passing with a stale value from an earlier, identical call."""
+    held = [torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device) for t in like
+            if t is not None and t.is_floating_point()]
+    del held
+
+
+class Case(NamedTuple):
+    spec: object
+    moe: object
+    inp: ref.MoEInputs
+    dy: torch.Tensor
+    y_ref: torch.Tensor
+    g_ref: ref.Grads
+
+
+def make_dy(T: int, H: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(T, H, generator=g, device=DEV, dtype=torch.float32).to(torch.bfloat16)
+
+
+def reference(spec, inp: ref.MoEInputs, dy: torch.Tensor):
+    """(y, Grads) in float64 on the GPU, kept as float32 copies (half the memory; rounding costs 6e-8)."""
+    args = (inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, spec, inp.b1, inp.b2)
+    y = ref.forward(*args, dtype=torch.float64).float()
+    g = ref.backward(dy, *args, dtype=torch.float64)
+    return y, ref.Grads(*(None if t is None else t.float() for t in g))
+
+
+def with_routing(spec, inp, routing, tokens=None, seed=1):
+    """New topk_idx / topk_weight (and x when tokens changes) for the case's weights."""
+    T = inp.x.shape[0] if tokens is None else tokens
+    fresh = ref.random_inputs(spec, tokens=T, device=DEV, seed=seed, routing=routing)
+    x = inp.x if tokens is None else fresh.x
+    out = inp._replace(x=x, topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight)
+    del fresh
+    return out
+
+
+def train_call(moe, inp, dy, *, num_ctas=None, w1_main_grad=None, w2_main_grad=None, poison=True):
+    """forward_train + backward through the low-level API; (y, Grads)."""
+    if poison:
+        poison_free_memory(inp.x)
+    y, saved = moe.forward_train(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
+    assert isinstance(saved.nbytes, int) and saved.nbytes >= 0
+    if poison:
+        poison_free_memory(inp.x, inp.topk_weight, None if w1_main_grad is not None else inp.w1,
+                           None if w2_main_grad is not None else inp.w2, inp.b1, inp.b2)
+    g = moe.backward(dy, saved, inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2,
+                     w1_main_grad=w1_main_grad, w2_main_grad=w2_main_grad, num_ctas=num_ctas)
+    assert isinstance(g, ref.Grads), type(g)
+    return y, g
+
+
+def check_y(y, y_ref, what):
+    assert y.dtype == torch.bfloat16 and y.shape == y_ref.shape, (what, y.dtype, tuple(y.shape))
+    assert not bool(y.isnan().any()), f"{what}: NaN in y (an element was not written?)"
+    err = rel_err(y, y_ref)
+    assert err <= TOL, f"{what}: y relative error {err:.3e} > {TOL}"
+
+
+def check_grads(g, g_ref, inp, what, skip=()):
+    """Each gradient: present exactly when its input is (b1/b2 only with biases), the input's shape and dtype,
+    finite, within TOL of the reference."""
+    for name in NAMES:
+        if name in skip:
+            continue
+        t, r, x = getattr(g, name), getattr(g_ref, name), getattr(inp, name)
+        if x is None:
+            assert t is None, f"{what}: d{name} should be None (no {name})"
+            continue
+        assert t is not None, f"{what}: d{name} missing"
+        assert t.shape == x.shape, f"{what}: d{name} shape {tuple(t.shape)} != {tuple(x.shape)}"
+        assert t.dtype == x.dtype, f"{what}: d{name} dtype {t.dtype} != {x.dtype}"
+        assert bool(torch.isfinite(t).all()), f"{what}: d{name} has NaN/inf (an element was not written?)"
+        err = rel_err(t, r)
+        assert err <= TOL, f"{what}: d{name} relative error {err:.3e} > {TOL}"
+
+
+def check_accumulated(added, expected, abs_sum, what):
+    """Element by element: ``added`` (an fp32 accumulation) against ``expected`` (the fp32 sum of bf16
+    gradients whose magnitudes sum to ``abs_sum``): each bf16 rounding is at most 2^-8 relative, so 2^-7 * abs_sum
+    plus a small absolute slack for fp32 summation order. A tile the kernel skipped fails here even where a
+    Frobenius norm would hide it."""
+    slack = 1e-3 * abs_sum.abs().mean().item() + 1e-30
+    bad = (added - expected).abs() > (2.0 ** -7) * abs_sum + slack
+    bad |= ~torch.isfinite(added)
+    n = int(bad.sum())
+    assert n == 0, f"{what}: {n} of {added.numel()} elements off (first at {torch.nonzero(bad)[0].tolist()})"
+
+
+def check_empty_experts_zero(spec, inp, g, what):
+    """Local experts that received no rows get exactly zero weight (and bias) gradients: the varlen-K wgrad
+    GEMM must still write its K = 0 tiles."""
+    counts = torch.bincount(inp.topk_idx.reshape(-1).long(), minlength=spec.local_experts)
+    empty = torch.nonzero(counts[:spec.local_experts] == 0).flatten().tolist()
+    for name in ("w1", "w2", "b1", "b2"):
+        t = getattr(g, name)
+        if t is None or not empty:
+            continue
+        sub = t[empty]
+        assert bool((sub == 0).all()), f"{what}: d{name} of the empty experts {empty[:8]} is not exactly zero"
+    return empty
+
+
+def leaves_of(inp):
+    """Fresh autograd leaves sharing the inputs' storage (the shared case inputs are never marked)."""
+    return [None if t is None else t.detach().requires_grad_(True)
+            for t in (inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)]
+
+
+def autograd_call(moe, inp, dy, leaves=None):
+    x, tw, w1, w2, b1, b2 = leaves if leaves is not None else leaves_of(inp)
+    poison_free_memory(inp.x)
+    y = mokgen.moe_forward(x, inp.topk_idx, tw, w1, w2, b1, b2, moe=moe)
+    poison_free_memory(inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
+    y.backward(dy)
+    return y.detach(), ref.Grads(*(None if t is None else t.grad for t in (x, tw, w1, w2, b1, b2)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the per-preset case
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def case(request):
+    spec = mokgen.load_spec(request.param)
+    moe = mokgen.compile(spec, overrides=OVERRIDES)
+    inp = ref.random_inputs(spec, tokens=_tokens(spec), device=DEV, seed=0)
+    dy = make_dy(inp.x.shape[0], spec.hidden, seed=100)
+    y_ref, g_ref = reference(spec, inp, dy)
+    yield Case(spec, moe, inp, dy, y_ref, g_ref)
+    del inp, dy, y_ref, g_ref
+    if hasattr(moe, "clear_workspaces"):
+        moe.clear_workspaces()
+    torch.cuda.empty_cache()
+
+
+def test_grads_match_reference(case):
+    spec, moe, inp, dy, y_ref, g_ref = case
+    y, g = train_call(moe, inp, dy)
+    sync()
+    check_y(y, y_ref, f"{spec.name}/forward_train")
+    check_grads(g, g_ref, inp, f"{spec.name}/backward")
+    moe.check_errors()
+
+
+def test_autograd_grads_match_reference(case):
+    spec, moe, inp, dy, y_ref, g_ref = case
+    y, g = autograd_call(moe, inp, dy)
+    sync()
+    check_y(y, y_ref, f"{spec.name}/moe_forward")
+    check_grads(g, g_ref, inp, f"{spec.name}/autograd")
+    # the autograd path runs the same kernels as the low-level one: the same bits
+    y2, g2 = train_call(moe, inp, dy)
+    sync()
+    assert same_bits(y, y2), "moe_forward vs forward_train bits differ"
+    for name in NAMES:
+        assert same_bits(getattr(g, name), getattr(g2, name)), f"autograd vs moe.backward: d{name} bits differ"
+    moe.check_errors()
+
+
+def test_bitwise_deterministic(case):
+    spec, moe, inp, dy, _, _ = case
+    y1, g1 = train_call(moe, inp, dy, poison=False)
+    y2, g2 = train_call(moe, inp, dy)
+    _, g66 = train_call(moe, inp, dy, num_ctas=66)
+    _, g132 = train_call(moe, inp, dy, num_ctas=132)
+    sync()
+    assert same_bits(y1, y2), "forward_train: run-to-run bits differ"
+    for name in NAMES:
+        assert same_bits(getattr(g1, name), getattr(g2, name)), f"d{name}: run-to-run bits differ"
+        assert same_bits(getattr(g66, name), getattr(g132, name)), f"d{name}: num_ctas 66 vs 132 bits differ"
+        assert same_bits(getattr(g1, name), getattr(g66, name)), f"d{name}: default num_ctas vs 66 bits differ"
+
+
+@pytest.mark.parametrize("routing", ["one_expert", "empty_experts", "skewed"])
+def test_special_routing(case, routing):
+    spec, moe, inp, dy, _, _ = case
+    c = with_routing(spec, inp, routing)
+    y_ref, g_ref = reference(spec, c, dy)
+    y, g = train_call(moe, c, dy)
+    sync()
+    what = f"{spec.name}/{routing}"
+    check_y(y, y_ref, what)
+    check_grads(g, g_ref, c, what)
+    empty = check_empty_experts_zero(spec, c, g, what)
+    if routing in ("one_expert", "empty_experts") and spec.local_experts > 1:
+        assert empty, f"{what}: the routing left no expert empty (test inputs wrong)"
+    _, g66 = train_call(moe, c, dy, num_ctas=66)
+    sync()
+    for name in NAMES:
+        assert same_bits(getattr(g, name), getattr(g66, name)), f"{what}: d{name} bits differ with 66 CTAs"
+    moe.check_errors()
+
+
+@pytest.mark.parametrize("tokens", [1000, 1])
+def test_tokens_not_a_tile_multiple(case, tokens):
+    spec, moe, inp, _, _, _ = case
+    c = with_routing(spec, inp, "random", tokens=tokens, seed=2)
+    dy = make_dy(tokens, spec.hidden, seed=101)
+    y_ref, g_ref = reference(spec, c, dy)
+    y, g = train_call(moe, c, dy)
+    sync()
+    check_y(y, y_ref, f"{spec.name}/T={tokens}")
+    check_grads(g, g_ref, c, f"{spec.name}/T={tokens}")
+    check_empty_experts_zero(spec, c, g, f"{spec.name}/T={tokens}")
+    moe.check_errors()
+
+
+def test_interleaved_layers(case):
+    """Two layers of one spec (one CompiledMoE): f1, f2, b2, b1 give the bits of f1, b1 and f2, b2 run alone;
+    the state one call saves is never overwritten by another call."""
+    spec, moe, inp1, dy1, _, _ = case
+    inp2 = ref.random_inputs(spec, tokens=inp1.x.shape[0], device=DEV, seed=5)
+    dy2 = make_dy(inp1.x.shape[0], spec.hidden, seed=102)
+
+    # alone
+    ya1, ga1 = train_call(moe, inp1, dy1, poison=False)
+    ya2, ga2 = train_call(moe, inp2, dy2, poison=False)
+    # interleaved, low level
+    y1, s1 = moe.forward_train(inp1.x, inp1.topk_idx, inp1.topk_weight, inp1.w1, inp1.w2, inp1.b1, inp1.b2)
+    y2, s2 = moe.forward_train(inp2.x, inp2.topk_idx, inp2.topk_weight, inp2.w1, inp2.w2, inp2.b1, inp2.b2)
+    gi2 = moe.backward(dy2, s2, inp2.x, inp2.topk_weight, inp2.w1, inp2.w2, inp2.b1, inp2.b2)
+    gi1 = moe.backward(dy1, s1, inp1.x, inp1.topk_weight, inp1.w1, inp1.w2, inp1.b1, inp1.b2)
+    sync()
+    assert same_bits(y1, ya1) and same_bits(y2, ya2), "forward bits differ when interleaved"
+    for name in NAMES:
+        assert same_bits(getattr(gi1, name), getattr(ga1, name)), f"layer 1 d{name} differs when interleaved"
+        assert same_bits(getattr(gi2, name), getattr(ga2, name)), f"layer 2 d{name} differs when interleaved"
+
+    # interleaved through autograd (the way two layers of a model run)
+    l1, l2 = leaves_of(inp1), leaves_of(inp2)
+    o1 = mokgen.moe_forward(l1[0], inp1.topk_idx, *l1[1:], moe=moe)
+    o2 = mokgen.moe_forward(l2[0], inp2.topk_idx, *l2[1:], moe=moe)
+    d2 = torch.autograd.grad(o2, [t for t in l2 if t is not None], dy2)
+    d1 = torch.autograd.grad(o1, [t for t in l1 if t is not None], dy1)
+    sync()
+    for d, ga, lv in ((d1, ga1, l1), (d2, ga2, l2)):
+        names = [n for n, t in zip(NAMES, lv) if t is not None]
+        for name, t in zip(names, d):
+            assert same_bits(t, getattr(ga, name)), f"autograd, interleaved: d{name} differs from alone"
+    moe.check_errors()
+
+
+def test_main_grad_accumulates(case):
+    """w1_main_grad / w2_main_grad (fp32, pre-filled): the weight gradients are added into them in fp32 (every
+    element: the pre-fill is kept where nothing is added), g.w1 / g.w2 are None, the rest unchanged."""
+    spec, moe, inp, dy, _, g_ref = case
+    _, g_bf16 = train_call(moe, inp, dy, poison=False)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    scale1 = g_ref.w1.abs().mean().item()
+    scale2 = g_ref.w2.abs().mean().item()
+    pre1 = torch.randn(inp.w1.shape, generator=gen, device=DEV).mul_(scale1)
+    pre2 = torch.randn(inp.w2.shape, generator=gen, device=DEV).mul_(scale2)
+    mg1, mg2 = pre1.clone(), pre2.clone()
+    y, g = train_call(moe, inp, dy, w1_main_grad=mg1, w2_main_grad=mg2)
+    sync()
+    assert g.w1 is None and g.w2 is None, "with main_grad buffers, g.w1 / g.w2 must be None"
+    for name in ("x", "topk_weight", "b1", "b2"):
+        assert same_bits(getattr(g, name), getattr(g_bf16, name)), f"d{name} changed with main_grad"
+    for mg, pre, r, gb, n in ((mg1, pre1, g_ref.w1, g_bf16.w1, "w1"), (mg2, pre2, g_ref.w2, g_bf16.w2, "w2")):
+        assert mg.dtype == torch.float32 and bool(torch.isfinite(mg).all()), f"{n}.main_grad not finite"
+        added = mg - pre
+        err = rel_err(added, r)
+        assert err <= TOL, f"{spec.name}: {n}.main_grad - prefill vs reference: {err:.3e} > {TOL}"
+        err = rel_err(added, gb.float())
+        assert err <= TOL, f"{spec.name}: {n}.main_grad - prefill vs the bf16 gradient: {err:.3e} > {TOL}"
+        check_accumulated(added, gb.float(), gb.float().abs(), f"{spec.name}: {n}.main_grad")
+        del added
+    # deterministic: the same accumulation again gives the same bits
+    mg1b, mg2b = pre1.clone(), pre2.clone()
+    train_call(moe, inp, dy, w1_main_grad=mg1b, w2_main_grad=mg2b)
+    sync()
+    assert same_bits(mg1, mg1b) and same_bits(mg2, mg2b), "main_grad accumulation bits differ run to run"
+
+
+def test_main_grad_keeps_empty_experts(case):
+    spec, moe, inp, dy, _, _ = case
+    c = with_routing(spec, inp, "empty_experts")
+    pre1 = torch.randn(inp.w1.shape, device=DEV)
+    pre2 = torch.randn(inp.w2.shape, device=DEV)
+    mg1, mg2 = pre1.clone(), pre2.clone()
+    train_call(moe, c, dy, w1_main_grad=mg1, w2_main_grad=mg2)
+    sync()
+    counts = torch.bincount(c.topk_idx.reshape(-1).long(), minlength=spec.local_experts)
+    empty = torch.nonzero(counts == 0).flatten().tolist()
+    used = torch.nonzero(counts > 0).flatten().tolist()
+    assert empty or spec.local_experts == 1
+    assert same_bits(mg1[empty], pre1[empty]) and same_bits(mg2[empty], pre2[empty]), \
+        "main_grad of experts without rows changed"
+    assert not torch.equal(mg1[used], pre1[used]), "main_grad of the used experts did not change"
+
+
+def test_cuda_graph_forward_backward(case):
+    """A whole step (forward, backward into .grad) captured in a CUDA graph replays with the eager bits, and
+    recomputes on new data copied into the static inputs."""
+    spec, moe, inp, dy, _, _ = case
+    leaves = leaves_of(inp._replace(x=inp.x.clone(), topk_weight=inp.topk_weight.clone()))
+    x_s, tw_s, w1, w2, b1, b2 = leaves
+    idx_s, dy_s = inp.topk_idx.clone(), dy.clone()
+
+    def step():
+        for t in leaves:
+            if t is not None:
+                t.grad = None
+        y = mokgen.moe_forward(x_s, idx_s, tw_s, w1, w2, b1, b2, moe=moe)
+        y.backward(dy_s)
+        return y.detach()
+
+    def grads():
+        return [None if t is None else t.grad for t in leaves]
+
+    y_e = step()
+    g_e = [None if t is None else t.clone() for t in grads()]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):                       # warm-up on the capture stream (workspaces, autograd buffers)
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y_s = step()
+    g_s = grads()
+    assert all((a is None) == (b is None) for a, b in zip(g_s, g_e))
+    y_s.fill_(float("nan"))
+    for t in g_s:
+        if t is not None:
+            t.fill_(float("nan"))
+    g.replay()
+    sync()
+    assert same_bits(y_s, y_e), "graph replay: y bits differ from eager"
+    for name, a, b in zip(NAMES, g_s, g_e):
+        assert same_bits(a, b), f"graph replay: d{name} bits differ from eager"
+    g.replay()
+    sync()
+    for name, a, b in zip(NAMES, g_s, g_e):
+        assert same_bits(a, b), f"second replay: d{name} bits differ"
+    # new data in the static inputs
+    fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device=DEV, seed=9)
+    dy_new = make_dy(inp.x.shape[0], spec.hidden, seed=103)
+    with torch.no_grad():
+        x_s.copy_(fresh.x)
+        tw_s.copy_(fresh.topk_weight)
+        idx_s.copy_(fresh.topk_idx)
+        dy_s.copy_(dy_new)
+    g.replay()
+    sync()
+    y_n, g_n = autograd_call(moe, inp._replace(x=fresh.x, topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight),
+                             dy_new)
+    sync()
+    assert same_bits(y_s, y_n), "graph replay on new data: y differs from eager"
+    for name, a in zip(NAMES, g_s):
+        assert same_bits(a, getattr(g_n, name)), f"graph replay on new data: d{name} differs from eager"
+    del g
+    moe.check_errors()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# nn.Module: main_grad over micro-batches, torch.compile
+
+
+def _module_preset() -> str:
+    return "qwen3-30b-a3b" if "qwen3-30b-a3b" in PRESETS else PRESETS[0]
+
+
+def _module_kw(spec):
+    """Compile the module's kernels with the suite's overrides (the default plan without any)."""
+    return {"compiled": mokgen.compile(spec, overrides=OVERRIDES)} if OVERRIDES else {}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_module_main_grad_micro_batches(name):
+    """mokgen.MoE(main_grad=True) over 3 micro-batches: w1.main_grad / w2.main_grad end as the pre-fill plus
+    the fp32 sum of the per-micro-batch gradients (bf16-level tolerance), w1.grad / w2.grad stay None, biases
+    accumulate in .grad; the whole accumulation is deterministic."""
+    spec = mokgen.load_spec(name)
+    torch.manual_seed(0)
+    layer = mokgen.MoE(spec, device=DEV, main_grad=True, **_module_kw(spec))
+    T = _tokens(spec)
+    micro = [ref.random_inputs(spec, tokens=T, device=DEV, seed=20 + i) for i in range(3)]
+    dys = [make_dy(T, spec.hidden, seed=200 + i) for i in range(3)]
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    pre1 = torch.randn(layer.w1.shape, generator=gen, device=DEV).mul_(1e-3)
+    pre2 = torch.randn(layer.w2.shape, generator=gen, device=DEV).mul_(1e-3)
+
+    def accumulate():
+        layer.w1.main_grad = pre1.clone()
+        layer.w2.main_grad = pre2.clone()
+        layer.zero_grad(set_to_none=True)
+        for mb, d in zip(micro, dys):
+            x = mb.x.clone().requires_grad_(True)
+            tw = mb.topk_weight.clone().requires_grad_(True)
+            layer(x, mb.topk_idx, tw).backward(d)
+            assert x.grad is not None and tw.grad is not None
+        sync()
+        assert layer.w1.grad is None and layer.w2.grad is None, "main_grad=True must leave w1.grad / w2.grad None"
+        return (layer.w1.main_grad, layer.w2.main_grad,
+                None if layer.b1 is None else layer.b1.grad, None if layer.b2 is None else layer.b2.grad)
+
+    mg1, mg2, gb1, gb2 = accumulate()
+    # the per-micro-batch gradients, one at a time through the plain (bf16-gradient) path, summed in fp32
+    w = [p.detach() for p in (layer.w1, layer.w2)]
+    b = [None if p is None else p.detach() for p in (layer.b1, layer.b2)]
+    moe = layer.compiled
+    sums = [torch.zeros_like(pre1), torch.zeros_like(pre2)]
+    abs_sums = [torch.zeros_like(pre1), torch.zeros_like(pre2)]
+    bsums = [None if p is None else torch.zeros_like(p) for p in b]
+    for mb, d in zip(micro, dys):
+        _, g = train_call(moe, mb._replace(w1=w[0], w2=w[1], b1=b[0], b2=b[1]), d, poison=False)
+        for s_, a_, gg in zip(sums, abs_sums, (g.w1, g.w2)):
+            s_ += gg.float()
+            a_ += gg.float().abs()
+        for s_, gg in zip(bsums, (g.b1, g.b2)):
+            if s_ is not None:
+                s_ += gg
+        del g
+    sync()
+    for mg, pre, s_, a_, n in ((mg1, pre1, sums[0], abs_sums[0], "w1"), (mg2, pre2, sums[1], abs_sums[1], "w2")):
+        assert mg.dtype == torch.float32 and bool(torch.isfinite(mg).all()), f"{n}.main_grad not finite"
+        added = mg - pre
+        err = rel_err(added, s_)
+        assert err <= TOL, f"{name}: {n}.main_grad - prefill vs fp32 sum of micro-batch grads: {err:.3e} > {TOL}"
+        check_accumulated(added, s_, a_, f"{name}: {n}.main_grad over 3 micro-batches")
+        del added
+    del sums, abs_sums
+    for gb, s_, n in ((gb1, bsums[0], "b1"), (gb2, bsums[1], "b2")):
+        if s_ is not None:
+            assert gb is not None and rel_err(gb, s_) <= TOL, f"{name}: {n}.grad accumulation"
+    # accumulate() gives the layer fresh main_grad tensors: the first results stay as they are
+    r1, r2, rb1, rb2 = mg1, mg2, gb1, gb2
+    mg1b, mg2b, gb1b, gb2b = accumulate()
+    assert same_bits(r1, mg1b) and same_bits(r2, mg2b), "main_grad accumulation is not deterministic"
+    assert same_bits(rb1, gb1b) and same_bits(rb2, gb2b), "bias grad accumulation is not deterministic"
+    layer.check_errors()
+
+
+class _Block(torch.nn.Module):
+    """A small module around mokgen.MoE; the scalings are exact in bf16, so compiled and eager must agree
+    bit for bit."""
+
+    def __init__(self, spec, **kw):
+        super().__init__()
+        self.moe = mokgen.MoE(spec, device=DEV, **kw)
+
+    def forward(self, x, topk_idx, topk_weight):
+        return self.moe(x * 2.0, topk_idx, topk_weight) * 0.5
+
+
+def test_torch_compile_fullgraph():
+    name = _module_preset()
+    spec = mokgen.load_spec(name)
+    torch.manual_seed(0)
+    block = _Block(spec, **_module_kw(spec))
+    block.moe.compiled                               # load the kernels outside the traced region
+    inp = ref.random_inputs(spec, tokens=512, device=DEV, seed=4)
+    dy = make_dy(512, spec.hidden, seed=104)
+
+    def run(fn):
+        block.zero_grad(set_to_none=True)
+        x = inp.x.clone().requires_grad_(True)
+        tw = inp.topk_weight.clone().requires_grad_(True)
+        y = fn(x, inp.topk_idx, tw)
+        y.backward(dy)
+        sync()
+        return [y.detach(), x.grad, tw.grad] + [None if p is None else p.grad
+                                                for p in (block.moe.w1, block.moe.w2, block.moe.b1, block.moe.b2)]
+
+    eager = run(block)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    got = run(compiled)
+    got2 = run(compiled)                             # the second call runs the cached graph
+    labels = ["y", "dx", "dtopk_weight", "dw1", "dw2", "db1", "db2"]
+    for lab, a, b, c in zip(labels, eager, got, got2):
+        assert same_bits(a, b), f"torch.compile: {lab} differs from eager"
+        assert same_bits(b, c), f"torch.compile: {lab} differs between compiled calls"
+    # the block computes MoE(2x) / 2
+    y_ref = ref.forward(inp.x * 2, inp.topk_idx, inp.topk_weight, block.moe.w1.detach(), block.moe.w2.detach(),
+                        spec, None if block.moe.b1 is None else block.moe.b1.detach(),
+                        None if block.moe.b2 is None else block.moe.b2.detach()) * 0.5
+    check_y(got[0], y_ref, f"{name}/torch.compile")
+    block.moe.check_errors()
