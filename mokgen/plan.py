@@ -94,7 +94,7 @@ A_LOADS = ("tma", "gather", "tma_rows")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
              "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer",
              "w_hint", "gemm1_w_hint", "gemm2_w_hint", "a_hint", "gemm1_a_hint", "gemm2_a_hint",
-             "gemm1_raster_group", "gemm2_raster_group")
+             "gemm1_raster_group", "gemm2_raster_group", "dgrad1_consumer", "dgrad2_consumer")
 CLUSTERS = (1, 2)
 # L2 eviction priority of a GEMM's TMA loads (W tiles: w_hint; A tiles loaded by TMA: a_hint), as the 64-bit
 # cache policies of createpolicy.fractional (fraction 1.0): "normal" issues no hint
@@ -657,7 +657,18 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                                 f"tile: no L2 hint to give")
             gemms[which] = dataclasses.replace(gemms[which], **{name: hint})
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
-    return _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
+    plan = _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
+    bwd = {}
+    for name in ("dgrad1", "dgrad2"):
+        key = f"{name}_consumer"
+        if key in overrides:
+            if overrides[key] not in CONSUMERS:
+                raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {overrides[key]!r}")
+            g = getattr(plan.backward, name)
+            if overrides[key] == "cooperative" and g.bm < BM:
+                raise PlanError(f"plan.{key}: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
+            bwd[name] = _with_consumer(a, g, overrides[key])
+    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **bwd)) if bwd else plan
 
 
 # ---- explain -----------------------------------------------------------------------------------------------

@@ -45,22 +45,19 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def _profile(fn, reps: int = 5) -> dict:
-    """Device time per kernel name (ms per call, averaged over `reps` calls) from torch.profiler."""
+def _profile(fn) -> list:
+    """[(kernel name, ms)] of one call, in launch order (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
+        fn()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t:
-            out[ev.key[:60]] = round(t / 1000 / reps, 4)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:16])
+    evs = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+           and str(e.device_type).endswith("CUDA") and (e.device_time_total or 0) > 0]
+    evs.sort(key=lambda e: e.time_range.start)
+    return [(e.name[:48], round(e.device_time_total / 1000, 4)) for e in evs]
 
 
 def check(name: str, overrides: dict, tokens: int | None, routing: str, timing: bool) -> dict:
@@ -158,6 +155,9 @@ def main(argv=None) -> int:
             with open(args.json, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
     print(f"{'item':28} {'T':>6} {'err':>9} {'det':>5} {'fb ms':>8} {'TFLOP/s':>8} {'torch ms':>8} {'x':>5}")
+    for r in recs:
+        if r.get("kernels_ms"):
+            print(r["item"], " ".join(f"{ms:.3f}" for _, ms in r["kernels_ms"] if ms >= 0.01))
     for r in recs:
         if "error" in r:
             print(f"{r['item']:28} ERROR {r['error'][:150]}")
