@@ -115,6 +115,17 @@ def check(name: str, overrides: dict, tokens: int | None, routing: str, timing: 
         ms = _bench(ours)
         rec["fb_ms"], rec["tflops"] = ms, flops / ms / 1e9
         rec["kernels_ms"] = _profile(ours)
+        # the same step through autograd (mokgen.moe_forward, y.backward): what a training loop runs
+        al = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, tw, w1, w2, b1, b2)]
+
+        def ours_autograd():
+            for t in al:
+                if t is not None:
+                    t.grad = None
+            mokgen.moe_forward(al[0], idx, al[1], al[2], al[3], al[4], al[5], moe=moe).backward(dy)
+
+        rec["fb_autograd_ms"] = _bench(ours_autograd)
+        rec["kernels_autograd_ms"] = _profile(ours_autograd)
         rec["fwd_train_ms"] = _bench(ours_fwd)
         rec["fwd_ms"] = _bench(lambda: moe(x, idx, tw, w1, w2, b1, b2))
         leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, tw, w1, w2, b1, b2)]
@@ -156,8 +167,9 @@ def main(argv=None) -> int:
                 fh.write(json.dumps(rec) + "\n")
     print(f"{'item':28} {'T':>6} {'err':>9} {'det':>5} {'fb ms':>8} {'TFLOP/s':>8} {'torch ms':>8} {'x':>5}")
     for r in recs:
-        if r.get("kernels_ms"):
-            print(r["item"], " ".join(f"{ms:.3f}" for _, ms in r["kernels_ms"] if ms >= 0.01))
+        for key in ("kernels_ms", "kernels_autograd_ms"):
+            if r.get(key):
+                print(r["item"], key, r.get("fb_autograd_ms"), " | ".join(f"{n[:22]} {ms:.3f}" for n, ms in r[key] if ms >= 0.01))
     for r in recs:
         if "error" in r:
             print(f"{r['item']:28} ERROR {r['error'][:150]}")
