@@ -19,9 +19,11 @@ from typing import Any, Mapping
 
 import yaml
 
+from .arch import ARCH_NAMES, ARCHS
+
 __all__ = ["Spec", "SpecError", "load_spec", "list_presets", "KNOWN_ARCHS", "K_BLOCK", "MAX_TOKENS"]
 
-KNOWN_ARCHS = ("sm_90a", "sm_100a")
+KNOWN_ARCHS = ARCH_NAMES  # mokgen.arch is the one arch table
 DTYPES = ("bf16",)
 RESERVED_DTYPES = ("fp8", "mxfp8")
 ACTIVATIONS = ("swiglu", "swiglu_oai")
