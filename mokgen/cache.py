@@ -1125,6 +1125,28 @@ def check_runtime(path: str | os.PathLike | None = None) -> str:
     return ""
 
 
+def install_runtime(src: str | os.PathLike, dsl_versions: Mapping[str, str], *, origin: str = "",
+                    sha256: str | None = None) -> Path:
+    """Install ``src`` as ``<root>/runtime/libcute_dsl_runtime.so`` with a ``meta.json`` recording its size,
+    sha256 and CuTe DSL version (what :func:`check_runtime` verifies before a load)."""
+    d = runtime_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    dst = d / RUNTIME_LIB
+    tmp = dst.with_name(f"{dst.name}.tmp.{os.getpid()}")
+    shutil.copy2(src, tmp)
+    digest = sha256_file(tmp)
+    if sha256 is not None and digest != sha256:
+        tmp.unlink()
+        raise CacheError(f"{src} changed while it was installed (sha256 {digest[:12]}, expected {sha256[:12]})")
+    _write_json(d / f"{META}.new", {
+        "format": META_FORMAT, "file": RUNTIME_LIB, "size": tmp.stat().st_size, "sha256": digest,
+        "dsl_versions": _dsl_only(dsl_versions),
+        "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": origin})
+    os.replace(tmp, dst)
+    os.replace(d / f"{META}.new", d / META)
+    return dst
+
+
 def runtime_versions() -> dict[str, str]:
     """The CuTe DSL versions the unpacked runtime library belongs to (empty if unknown)."""
     return _dsl_only((_read_meta(runtime_dir()) or {}).get("dsl_versions"))
@@ -1430,15 +1452,7 @@ def unpack(tar: str | os.PathLike) -> dict[str, Any]:
                     == runtime["sha256"]:
                 result["runtime_status"] = "present"
             else:
-                runtime_dir().mkdir(parents=True, exist_ok=True)
-                tmp = dst.with_name(f"{dst.name}.tmp.{os.getpid()}")
-                shutil.copy2(rt_staged, tmp)
-                _write_json(runtime_dir() / f"{META}.new", {
-                    "format": META_FORMAT, "file": RUNTIME_LIB, "size": runtime["size"],
-                    "sha256": runtime["sha256"], "dsl_versions": runtime["dsl_versions"],
-                    "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": str(tarp)})
-                os.replace(tmp, dst)
-                os.replace(runtime_dir() / f"{META}.new", runtime_dir() / META)
+                install_runtime(rt_staged, runtime["dsl_versions"], origin=str(tarp), sha256=runtime["sha256"])
                 result["runtime_status"] = "installed"
             result["runtime"] = dst
     except OSError as e:
