@@ -1223,8 +1223,9 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
             info.mtime = int(time.time())
             tf.addfile(info, io.BytesIO(data))
             tf.add(rt, arcname=f"runtime/{RUNTIME_LIB}")
-            for e in entries:
-                tf.add(e.path, arcname=f"{e.arch}/{e.path.name}")
+            for e in entries:  # what meta.json lists, and meta.json: nothing else travels
+                for rel in sorted(e.meta["files"]) + [META]:
+                    tf.add(e.path / rel, arcname=f"{e.arch}/{e.path.name}/{rel}", recursive=False)
         os.replace(tmp, out)
     except OSError as e:
         raise CacheError(os_error_message(e, "write the pack", "choose another output path or free space",

@@ -317,6 +317,17 @@ def test_pack_leaves_out_damaged_entries(mokgen_cache: Path, tmp_path: Path, pac
     assert man["format"] == cache.META_FORMAT and man["runtime"]["sha256"] == cache.sha256_file(packed["rt"])
 
 
+def test_pack_carries_only_listed_files(mokgen_cache: Path, tmp_path: Path, packed: dict,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = cache.entry_dir(packed["art"].key, "sm_90a")
+    (entry / "stray.txt").write_text("not an artifact")
+    tar = cache.pack(tmp_path / "p2.tar.xz")
+    with tarfile.open(tar) as tf:
+        assert not any(n.endswith("stray.txt") for n in tf.getnames())
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "other"))
+    assert len(cache.unpack(tar)["installed"]) == 1
+
+
 def test_cache_hit_needs_no_write(mokgen_cache: Path, tmp_path: Path) -> None:
     s = make_sources()
     entry = cache.store(fake_build(s, "sm_90a", tmp_path / "a"))
