@@ -36,6 +36,8 @@ _LAZY = {
     "KernelTimeoutError": ("mokgen.ops", "KernelTimeoutError"),
     "ArchMismatchError": ("mokgen.ops", "ArchMismatchError"),
     "moe_forward": ("mokgen.ops", "moe_forward"),
+    "load_entry": ("mokgen.driver", "load_entry"),
+    "driver": ("mokgen.driver", None),
     "reference": ("mokgen.reference", None),
     "ops": ("mokgen.ops", None),
 }
@@ -45,8 +47,8 @@ __all__ = ["__version__", "compile", *_LAZY]
 
 def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: Any = None):
     """Compile (or load from the cache) the kernels of ``spec`` for ``arch`` and return a
-    :class:`mokgen.ops.CompiledMoE`. See :func:`mokgen.ops.compile`."""
-    from .ops import compile as _compile
+    :class:`mokgen.ops.CompiledMoE`. See :func:`mokgen.driver.compile`."""
+    from .driver import compile as _compile
 
     return _compile(spec, arch=arch, force=force, overrides=overrides)
 

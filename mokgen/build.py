@@ -17,15 +17,18 @@ turns the DSL's own JIT file cache off, so nothing outside the build directory i
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import ctypes
 import glob
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,10 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from . import cache
+from .arch import ARCH_NAMES, ARCHS, ArchError, check_arch, resolve_arch
+from .cache import Artifacts
 
 __all__ = [
     "Artifacts",
@@ -47,15 +54,11 @@ __all__ = [
     "SUPPORTED_ARCHS",
 ]
 
-LIB_NAME = "libmokgen.so"
-SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
-# PTX features the report looks for, per arch.
-PTX_FEATURES = {
-    "wgmma.mma_async": ("sm_90a", "sm_100a"),
-    "cp.async.bulk.tensor": ("sm_90a", "sm_100a"),
-    "mbarrier": ("sm_90a", "sm_100a"),
-    "tcgen05": ("sm_100a",),
-}
+LIB_NAME = cache.LIB_NAME
+SUPPORTED_ARCHS = ARCH_NAMES
+# PTX features the report looks for, per arch (from the arch table).
+PTX_FEATURES = {f: tuple(a for a, v in ARCHS.items() if f in v.ptx_features)
+                for f in dict.fromkeys(f for v in ARCHS.values() for f in v.ptx_features)}
 _TAIL_LINES = 40
 _KERNEL_NAME_RE = re.compile(r"""^KERNEL_NAME\s*(?::\s*str\s*)?=\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""", re.M)
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -75,96 +78,8 @@ class BuildError(RuntimeError):
         self.log = log
 
 
-@dataclasses.dataclass(frozen=True)
-class Artifacts:
-    """What a build produced. ``dir`` holds ``libmokgen.so`` (``lib``), ``<kernel>.o``, ``<kernel>.ptx`` and
-    ``sources/``; ``kernels`` are the exported function names; ``key`` the cache key of the inputs;
-    ``meta`` what ``meta.json`` records (arch, key, DSL versions, template hash, spec, plan, ...)."""
-
-    dir: Path
-    lib: Path
-    kernels: tuple[str, ...]
-    arch: str
-    key: str
-    meta: Mapping[str, Any]
-
-    def ptx(self, kernel: str) -> Path:
-        return self.dir / f"{kernel}.ptx"
-
-    def obj(self, kernel: str) -> Path:
-        return self.dir / f"{kernel}.o"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "dir": str(self.dir),
-            "lib": str(self.lib),
-            "kernels": list(self.kernels),
-            "arch": self.arch,
-            "key": self.key,
-            "meta": dict(self.meta),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Artifacts":
-        return cls(
-            dir=Path(d["dir"]),
-            lib=Path(d["lib"]),
-            kernels=tuple(d["kernels"]),
-            arch=str(d["arch"]),
-            key=str(d["key"]),
-            meta=dict(d.get("meta", {})),
-        )
-
-
 # ----------------------------------------------------------------------------------------------------------
 # helpers
-
-
-class ArchError(BuildError):
-    """No usable target arch (unknown name, unsupported GPU, or nothing to go by)."""
-
-
-_CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-
-
-def check_arch(arch: str) -> str:
-    if arch not in SUPPORTED_ARCHS:
-        hint = ""
-        if arch and arch + "a" in SUPPORTED_ARCHS:
-            hint = f" (the kernels need the arch-specific features: use {arch}a)"
-        raise ArchError(f"unknown arch {arch!r}: expected one of {', '.join(SUPPORTED_ARCHS)}{hint}")
-    return arch
-
-
-def resolve_arch(arch: str | None = None) -> str:
-    """The target arch: ``arch`` if given, else ``$MOKGEN_ARCH``, else the visible GPU (compute capability
-    9.0 -> sm_90a, 10.0 -> sm_100a), else :class:`ArchError` saying how to choose."""
-    if arch:
-        return check_arch(arch)
-    env = os.environ.get("MOKGEN_ARCH", "").strip()
-    if env:
-        try:
-            return check_arch(env)
-        except ArchError as e:
-            raise ArchError(f"$MOKGEN_ARCH: {e}") from None
-    cap = None
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-            import torch
-        if torch.cuda.is_available():
-            cap = tuple(torch.cuda.get_device_capability())
-    except Exception:
-        cap = None
-    if cap is not None:
-        if cap in _CAPABILITY_ARCH:
-            return _CAPABILITY_ARCH[cap]
-        raise ArchError(f"the visible GPU is sm_{cap[0]}{cap[1]}, which mokgen does not target "
-                        f"({', '.join(SUPPORTED_ARCHS)}); pass --arch to cross-compile")
-    raise ArchError("no target arch: pass --arch sm_90a (or sm_100a), set MOKGEN_ARCH, "
-                    "or run where a Hopper/Blackwell GPU is visible")
 
 
 def _files_of(sources: Any) -> Mapping[str, str]:
@@ -209,17 +124,14 @@ def _write_if_changed(path: Path, text: str) -> bool:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     return True
-
-
-def _ninja_path(p: str | Path) -> str:
-    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:").replace("\n", "")
-
-
-def _ninja_cmd(s: str) -> str:
-    return s.replace("$", "$$").replace("\n", " ")
 
 
 def ninja_binary() -> str:
@@ -261,41 +173,7 @@ def _pythonpath_for_children() -> str:
 
 
 def _dsl_fingerprint() -> str:
-    try:
-        from . import cache
-
-        return hashlib.sha256(json.dumps(cache.dsl_versions(), sort_keys=True).encode()).hexdigest()[:12]
-    except Exception:
-        return "unknown"
-
-
-def _meta_of(sources: Any, arch: str, key: str, kernels: Mapping[str, str]) -> dict[str, Any]:
-    from . import cache
-
-    meta: dict[str, Any] = {
-        "format": cache.META_FORMAT,
-        "arch": arch,
-        "key": key,
-        "content_key": cache.content_key_for(sources, arch),
-        "dsl_versions": cache.dsl_versions(),
-        "template_hash": getattr(sources, "template_hash", None),
-        "kernels": sorted(kernels),
-        "lib": LIB_NAME,
-        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": sys.version.split()[0],
-    }
-    _th, spec, plan, _files = cache._parts(sources)
-    if spec is not None and not isinstance(spec, str):
-        meta["spec"] = cache.to_plain(spec)
-    if plan is not None:
-        meta["plan"] = cache.to_plain(plan)
-    if isinstance(spec, Mapping):
-        name = spec.get("name")
-    else:
-        name = getattr(spec, "name", spec if isinstance(spec, str) else None)
-    if name:
-        meta["spec_name"] = str(name)
-    return meta
+    return hashlib.sha256(json.dumps(cache.dsl_versions(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,42 +182,39 @@ def _meta_of(sources: Any, arch: str, key: str, kernels: Mapping[str, str]) -> d
 
 def write_ninja(out_dir: Path, kernels: Mapping[str, str], helpers: Iterable[str], arch: str,
                 link_libs: list[str]) -> Path:
-    py = sys.executable
+    """``build.ninja`` (written with ninja's own ``ninja_syntax``): one compile edge per kernel, one link edge.
+    Every command is ``exec``-ed by the shell, so ninja is the compilers' parent (see :func:`run_ninja`)."""
+    from ninja.ninja_syntax import Writer, escape
+
     env = (
         f"CUTE_DSL_ARCH={shlex.quote(arch)} PYTHONPATH={shlex.quote(_pythonpath_for_children())} "
         f"PYTHONWARNINGS=ignore::RuntimeWarning:runpy MOKGEN_DSL_FINGERPRINT={_dsl_fingerprint()}"
     )
-    lines = [
-        "# generated by mokgen.build; do not edit",
-        "ninja_required_version = 1.10",
-        f"arch = {arch}",
-        "",
-        "rule compile",
-        f"  command = {_ninja_cmd(env)} {_ninja_cmd(shlex.quote(py))} -m mokgen.build compile-one $in $out_o"
-        f" --arch $arch --name $name",
-        "  description = compile $name ($arch)",
-        "",
-        "rule link",
-        f"  command = gcc -shared -o $out $in {_ninja_cmd(' '.join(shlex.quote(l) for l in link_libs))}",
-        "  description = link $out",
-        "",
-    ]
-    helper_deps = " ".join(_ninja_path(Path("sources") / h) for h in sorted(helpers))
+    buf = io.StringIO()
+    n = Writer(buf, width=10000)
+    n.comment("generated by mokgen.build; do not edit")
+    n.variable("ninja_required_version", "1.10")
+    n.variable("arch", arch)
+    n.newline()
+    n.rule("compile", f"exec env {escape(env)} {escape(shlex.quote(sys.executable))} -m mokgen.build compile-one "
+                      "$in $out_o --arch $arch --name $name", description="compile $name ($arch)")
+    n.newline()
+    n.rule("link", f"exec gcc -shared -o $out $in {escape(' '.join(shlex.quote(l) for l in link_libs))}",
+           description="link $out")
+    n.newline()
+    helper_deps = [str(Path("sources") / h) for h in sorted(helpers)]
     objs = []
     for name, fname in sorted(kernels.items()):
         obj = f"{name}.o"
         objs.append(obj)
-        src = _ninja_path(Path("sources") / fname)
-        implicit = f" | {helper_deps}" if helper_deps else ""
-        lines += [
-            f"build {_ninja_path(obj)} {_ninja_path(name + '.ptx')}: compile {src}{implicit}",
-            f"  name = {name}",
-            f"  out_o = {_ninja_path(obj)}",
-            "",
-        ]
-    lines += [f"build {LIB_NAME}: link {' '.join(_ninja_path(o) for o in objs)}", "", f"default {LIB_NAME}", ""]
+        n.build([obj, f"{name}.ptx"], "compile", str(Path("sources") / fname), implicit=helper_deps or None,
+                variables={"name": name, "out_o": obj})
+        n.newline()
+    n.build(LIB_NAME, "link", objs)
+    n.newline()
+    n.default(LIB_NAME)
     path = out_dir / "build.ninja"
-    _write_if_changed(path, "\n".join(lines))
+    _write_if_changed(path, buf.getvalue())
     return path
 
 
@@ -426,10 +301,40 @@ def _parse_failures(lines: list[str], obj_to_kernel: Mapping[str, str]) -> list[
     return out
 
 
+def _die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child (preexec_fn / at start): ask the kernel to send ``sig`` when our parent dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover - not Linux
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM ninja's process group (ninja, the compilers), SIGKILL what is left after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def check_jobs(jobs: Any) -> int | None:
+    """``jobs`` as a positive int (or None), else :class:`BuildError`."""
+    if jobs is None:
+        return None
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise BuildError(f"jobs must be a positive integer (parallel compiles), got {jobs!r}")
+    return jobs
+
+
 def run_ninja(out_dir: Path, jobs: int | None, progress: bool, kernels: Mapping[str, str], arch: str) -> list[str]:
     cmd = [ninja_binary(), "-C", str(out_dir), "-k", "0"]
-    if jobs:
-        cmd += ["-j", str(int(jobs))]
+    if check_jobs(jobs):
+        cmd += ["-j", str(jobs)]
     env = dict(os.environ)
     env["NINJA_STATUS"] = "[%f/%t] "
     # Do ninja's dry run first: it tells whether there is anything to do, so a no-op build stays silent.
@@ -444,14 +349,20 @@ def run_ninja(out_dir: Path, jobs: int | None, progress: bool, kernels: Mapping[
     lines: list[str] = []
     ok = False
     try:
+        # ninja leads its own process group (the compilers' too: the rules exec them) and gets SIGKILL when
+        # this process dies, however it dies; the compile-one processes die with ninja (see compile_one).
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                bufsize=1)
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            lines.append(line)
-            prog.line(line)
-        rc = proc.wait()
+                                bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.rstrip("\n")
+                lines.append(line)
+                prog.line(line)
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted (KeyboardInterrupt, an error): stop the whole build
+                _kill_group(proc)
         ok = rc == 0
     finally:
         prog.close(ok)
@@ -489,9 +400,8 @@ def build(sources: Any, arch: str, out_dir: str | os.PathLike, jobs: int | None 
           progress: bool = True) -> Artifacts:
     """Compile ``sources`` (a ``mokgen.emit.Sources``, or a mapping file name -> text) for ``arch`` into
     ``out_dir``; returns the :class:`Artifacts`. Raises :class:`BuildError` naming the failing kernel."""
-    from . import cache
-
     check_arch(arch)
+    check_jobs(jobs)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     files = _files_of(sources)
@@ -515,7 +425,7 @@ def build(sources: Any, arch: str, out_dir: str | os.PathLike, jobs: int | None 
     if not lib.exists():
         raise BuildError(f"ninja succeeded but {lib} is missing")
     key = cache.key_for(sources, arch)
-    meta = _meta_of(sources, arch, key, kernels)
+    meta = cache.entry_meta(sources, arch, key, kernels)
     return Artifacts(dir=out, lib=lib, kernels=tuple(sorted(kernels)), arch=arch, key=key, meta=meta)
 
 
@@ -626,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     c1.add_argument("--name", required=True)
     args = ap.parse_args(argv)
     if args.cmd == "compile-one":
+        _die_with_parent()  # ninja (our parent: the rule execs us) dies -> we die
         try:
             compile_one(args.src, args.out_o, args.arch, args.name)
         except BuildError as e:

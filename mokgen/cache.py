@@ -1,19 +1,27 @@
-"""On-disk cache of built kernels.
+"""On-disk cache of built kernels: keys, entry metadata and integrity, locks, pack/unpack.
 
-Layout (root = ``$MOKGEN_CACHE_DIR``, else ``~/.cache/mokgen``)::
+Layout (root = ``$MOKGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/mokgen``, else ``~/.cache/mokgen``)::
 
     <root>/<arch>/<key[:16]>/          an entry: libmokgen.so, <kernel>.o, <kernel>.ptx, sources/, meta.json
     <root>/<arch>/<key[:16]>.tmp.<pid>  an entry being stored (renamed into place with os.replace)
     <root>/build/<arch>/<key[:16]>/    the ninja build directory of an entry being built
     <root>/locks/<key[:16]>.lock       flock lock of a key (holder pid written inside)
-    <root>/runtime/                    libcute_dsl_runtime.so from an unpacked pack (hosts without the DSL)
+    <root>/runtime/                    libcute_dsl_runtime.so + its meta.json (version, sha256) from a pack
 
-Key = sha256 of the canonical JSON of {arch, DSL package versions, template hash, spec, plan}. ``meta.json`` is
-written last and records the file list with sizes; an entry whose ``meta.json`` is missing, does not parse,
-names another arch or key, or whose files are missing is never used (and is rebuilt).
+Key = sha256 of the canonical JSON of {arch, DSL package versions, template hash, spec, plan, emitted files}.
+``meta.json`` is written last and records every file of the entry with its size and sha256. An entry is used
+only if ``meta.json`` parses, names the arch of its directory and a key matching the directory name, and every
+listed file is a regular file with that size and sha256 (verified on every load: well under a millisecond for
+a real entry, see README); anything else is *damaged*: rebuilt where the compiler is, refused where it is not,
+never loaded.
+
+This module owns the metadata (``Artifacts``, :func:`entry_meta`); ``mokgen.build`` compiles and imports it,
+never the other way round: :func:`get_or_build` takes the build function (``mokgen.driver.get_or_build``
+passes ``mokgen.build.build``).
 
 Locks are ``fcntl.flock`` locks: the kernel drops them when the holder dies, so there are no stale lock files
-to clean up by hand. They are not re-entrant: do not take the same key's lock twice in one thread.
+to clean up by hand. They are not re-entrant: do not take the same key's lock twice in one thread. The wait
+is bounded by ``timeout`` (default ``$MOKGEN_LOCK_TIMEOUT`` seconds, else 600).
 """
 
 from __future__ import annotations
@@ -26,50 +34,124 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import sys
 import tarfile
 import tempfile
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Mapping
 
 __all__ = [
+    "Artifacts",
     "CacheError",
+    "DamagedEntryError",
     "Entry",
     "cache_root",
     "dsl_versions",
     "cache_key",
     "key_for",
     "content_key_for",
+    "entry_meta",
     "entry_dir",
     "lock_path",
+    "lock_timeout",
     "lookup",
+    "probe",
     "find",
     "store",
     "lock",
     "get_or_build",
     "load_artifacts",
     "list_entries",
+    "scan_entries",
+    "verify",
     "clear",
+    "clear_report",
+    "sweep_stale",
     "pack",
     "unpack",
     "runtime_library",
+    "check_runtime",
+    "os_error_message",
 ]
 
-META_FORMAT = 1
+META_FORMAT = 2  # 2: every file with its sha256 (format 1 entries, sizes only, are not trusted)
 META = "meta.json"
 LIB_NAME = "libmokgen.so"
 RUNTIME_LIB = "libcute_dsl_runtime.so"
+MANIFEST = "MANIFEST.json"
 _TVM_FFI = "apache-tvm-ffi"
 _DSL_PREFIX = "nvidia-cutlass-dsl"
+DEFAULT_LOCK_TIMEOUT = 600.0
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_MAX_META_BYTES = 4 << 20  # meta.json / MANIFEST.json larger than this are not read from a pack
+_STALE_RE = re.compile(r"^(?P<base>[^.]+)\.(?:tmp|del)\.(?P<pid>\d+)(?:\..*)?$")
 
 
 class CacheError(RuntimeError):
-    """A cache operation failed (lock timeout, wrong-arch entry, bad pack, ...)."""
+    """A cache operation failed (lock timeout, wrong-arch entry, bad pack, unwritable cache, ...)."""
+
+
+class DamagedEntryError(CacheError):
+    """A cache entry whose files do not match its ``meta.json`` (or whose ``meta.json`` is missing or bad)."""
+
+    def __init__(self, message: str, path: Path | None = None, why: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.why = why
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifacts:
+    """What a build produced, or what a cache entry holds. ``dir`` holds ``libmokgen.so`` (``lib``),
+    ``<kernel>.o``, ``<kernel>.ptx`` and ``sources/``; ``kernels`` are the exported function names; ``key`` the
+    cache key of the inputs; ``meta`` what ``meta.json`` records (arch, key, DSL versions, template hash, spec,
+    plan, files with sha256, ...). ``status`` says how :func:`get_or_build` got it ("cached", "built",
+    "rebuilt", "waited": another process built it while this one waited on the lock) and ``note`` says it in
+    words; both are empty for a plain build directory."""
+
+    dir: Path
+    lib: Path
+    kernels: tuple[str, ...]
+    arch: str
+    key: str
+    meta: Mapping[str, Any]
+    status: str = dataclasses.field(default="", compare=False)
+    note: str = dataclasses.field(default="", compare=False)
+
+    def ptx(self, kernel: str) -> Path:
+        return self.dir / f"{kernel}.ptx"
+
+    def obj(self, kernel: str) -> Path:
+        return self.dir / f"{kernel}.o"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dir": str(self.dir),
+            "lib": str(self.lib),
+            "kernels": list(self.kernels),
+            "arch": self.arch,
+            "key": self.key,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Artifacts":
+        return cls(
+            dir=Path(d["dir"]),
+            lib=Path(d["lib"]),
+            kernels=tuple(d["kernels"]),
+            arch=str(d["arch"]),
+            key=str(d["key"]),
+            meta=dict(d.get("meta", {})),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +161,11 @@ class Entry:
     key: str
     meta: Mapping[str, Any]
     size: int
+    problem: str | None = None  # None: complete and verified; else why it is damaged or misfiled
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
 
     @property
     def spec_name(self) -> str:
@@ -86,14 +173,93 @@ class Entry:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# file system errors, in one line with a remedy
+
+
+_OS_REASONS = {
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.ENOTDIR: "a component of the path is not a directory",
+    errno.EISDIR: "it is a directory",
+    errno.ENOENT: "no such file or directory",
+    errno.EEXIST: "it already exists",
+}
+
+
+def os_error_message(e: OSError, doing: str, remedy: str | None = None, path: Any = None) -> str:
+    """``cannot <doing> <path>: <reason>; <remedy>`` (one line) for an OSError."""
+    where = path if path is not None else (e.filename if e.filename is not None else "")
+    reason = _OS_REASONS.get(e.errno or -1) or (e.strerror or type(e).__name__).lower()
+    if remedy is None:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            remedy = "free space there"
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            remedy = "choose a writable location"
+    msg = f"cannot {doing}" + (f" {where}" if where != "" else "") + f": {reason}"
+    return msg + (f"; {remedy}" if remedy else "")
+
+
+def _cache_remedy(e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on that file system, or set MOKGEN_CACHE_DIR to a directory on another one"
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        return "set MOKGEN_CACHE_DIR to a directory (or remove what is in the way)"
+    return "set MOKGEN_CACHE_DIR to a writable directory"
+
+
+def _cache_os_error(e: OSError, doing: str, path: Any = None) -> CacheError:
+    return CacheError(os_error_message(e, doing, _cache_remedy(e), path))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # keys
 
 
 def cache_root() -> Path:
+    """``$MOKGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/mokgen`` (an absolute XDG_CACHE_HOME), else
+    ``~/.cache/mokgen``."""
     env = os.environ.get("MOKGEN_CACHE_DIR")
     if env:
         return Path(env).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return (Path(xdg) / "mokgen").resolve()
     return (Path.home() / ".cache" / "mokgen").resolve()
+
+
+def _root_where() -> str:
+    if os.environ.get("MOKGEN_CACHE_DIR"):
+        return "MOKGEN_CACHE_DIR"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return "XDG_CACHE_HOME" if xdg and os.path.isabs(xdg) else "the default cache directory"
+
+
+def ensure_root() -> Path:
+    """The cache root, created if needed; :class:`CacheError` with a remedy when it cannot be a writable
+    directory (a file in the way, a read-only file system, no permission)."""
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        raise CacheError(f"the cache directory {root} ({_root_where()}) is not a directory; "
+                         "set MOKGEN_CACHE_DIR to a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_os_error(e, "create the cache directory", root) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CacheError(f"cannot write to the cache directory {root}: "
+                         f"{'the file system is read-only' if _read_only_fs(root) else 'permission denied'}; "
+                         "set MOKGEN_CACHE_DIR to a writable directory")
+    return root
+
+
+def _read_only_fs(p: Path) -> bool:
+    try:
+        return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _norm(name: str) -> str:
@@ -116,6 +282,11 @@ def _dsl_versions_cached(path_key: tuple[str, ...]) -> tuple[tuple[str, str], ..
 def dsl_versions() -> dict[str, str]:
     """``{distribution: version}`` of the installed ``nvidia-cutlass-dsl*`` packages and ``apache-tvm-ffi``."""
     return dict(_dsl_versions_cached(tuple(sys.path)))
+
+
+def _dsl_only(versions: Mapping[str, Any] | None) -> dict[str, str]:
+    """The CuTe DSL part of a versions mapping (what a runtime library belongs to)."""
+    return {str(k): str(v) for k, v in (versions or {}).items() if str(k).startswith(_DSL_PREFIX)}
 
 
 def to_plain(obj: Any) -> Any:
@@ -187,6 +358,34 @@ def content_key_for(sources: Any, arch: str) -> str:
     return cache_key(arch, th, spec, plan, versions=tvm, files=files)
 
 
+def entry_meta(sources: Any, arch: str, key: str, kernels: Any, lib: str = LIB_NAME) -> dict[str, Any]:
+    """What ``meta.json`` records about a build of ``sources`` (``store`` adds the files and their hashes)."""
+    meta: dict[str, Any] = {
+        "format": META_FORMAT,
+        "arch": arch,
+        "key": key,
+        "content_key": content_key_for(sources, arch),
+        "dsl_versions": dsl_versions(),
+        "template_hash": getattr(sources, "template_hash", None),
+        "kernels": sorted(kernels),
+        "lib": lib,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": sys.version.split()[0],
+    }
+    _th, spec, plan, _files = _parts(sources)
+    if spec is not None and not isinstance(spec, str):
+        meta["spec"] = to_plain(spec)
+    if plan is not None:
+        meta["plan"] = to_plain(plan)
+    if isinstance(spec, Mapping):
+        name = spec.get("name")
+    else:
+        name = getattr(spec, "name", spec if isinstance(spec, str) else None)
+    if name:
+        meta["spec_name"] = str(name)
+    return meta
+
+
 def entry_dir(key: str, arch: str) -> Path:
     if not key or any(c not in "0123456789abcdef" for c in key):
         raise CacheError(f"bad cache key {key!r}: expected a sha256 hex digest")
@@ -208,7 +407,22 @@ def runtime_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# entries
+# entries and their integrity
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _safe_rel(rel: Any) -> bool:
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
+        return False
+    p = PurePosixPath(rel)
+    return not p.is_absolute() and ".." not in p.parts and "." not in p.parts and rel == str(p)
 
 
 def _read_meta(d: Path) -> dict[str, Any] | None:
@@ -219,44 +433,111 @@ def _read_meta(d: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _check_entry(d: Path) -> tuple[dict[str, Any] | None, str]:
-    """(meta, "") for a complete entry, else (None or meta, why not)."""
+def _file_records(meta: Mapping[str, Any], where: str) -> tuple[dict[str, dict[str, Any]] | None, str]:
+    """(``{rel: {"size", "sha256"}}``, "") of a meta.json, or (None, why not)."""
+    files = meta.get("files")
+    if not isinstance(files, dict) or LIB_NAME not in files:
+        return None, f"{where} lists no {LIB_NAME}"
+    fmt = meta.get("format")
+    if not isinstance(fmt, int) or fmt < META_FORMAT:
+        return None, (f"{where} is format {fmt} (no content hashes: written by an older mokgen); "
+                      "rebuild the entry")
+    for rel, rec in files.items():
+        if not _safe_rel(rel) or rel == META:
+            return None, f"{where} lists an unsafe path {rel!r}"
+        if not (isinstance(rec, dict) and isinstance(rec.get("size"), int) and not isinstance(rec["size"], bool)
+                and isinstance(rec.get("sha256"), str) and _HEX64.match(rec["sha256"])):
+            return None, f"{where} has no size and sha256 for {rel}"
+    return files, ""
+
+
+def _check_entry(d: Path, *, hashes: bool = True, strict: bool = False) -> tuple[dict[str, Any] | None, str]:
+    """(meta, "") for a complete entry, else (None, why not). ``hashes``: compare every listed file's sha256
+    (else only its size); ``strict``: also refuse files and links that ``meta.json`` does not list."""
     meta = _read_meta(d)
     if meta is None:
         return None, f"{d / META} is missing or does not parse"
     for k in ("arch", "key", "files"):
         if k not in meta:
             return None, f"{d / META} has no {k!r}"
-    files = meta["files"]
-    if not isinstance(files, dict) or LIB_NAME not in files:
-        return None, f"{d / META} lists no {LIB_NAME}"
-    for rel, size in files.items():
+    if not isinstance(meta["arch"], str) or not isinstance(meta["key"], str) or not _HEX64.match(meta["key"]):
+        return None, f"{d / META} has a malformed arch or key"
+    files, why = _file_records(meta, str(d / META))
+    if files is None:
+        return None, why
+    for rel, rec in sorted(files.items()):
         p = d / rel
         try:
-            if p.stat().st_size != size:
-                return None, f"{p} has {p.stat().st_size} bytes, meta.json says {size}"
+            st = os.lstat(p)
         except OSError:
             return None, f"{p} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{p} is not a regular file"
+        if st.st_size != rec["size"]:
+            return None, f"{p} has {st.st_size} bytes, meta.json says {rec['size']}"
+        if hashes:
+            try:
+                digest = sha256_file(p)
+            except OSError as e:
+                return None, f"{p} cannot be read ({e.strerror or e})"
+            if digest != rec["sha256"]:
+                return None, f"{p} does not match its sha256 in meta.json (changed after it was stored)"
+    if strict:
+        for sub, dirs, names in os.walk(d):
+            for n in dirs + names:
+                p = Path(sub) / n
+                rel = p.relative_to(d).as_posix()
+                if p.is_symlink():
+                    return None, f"{p} is a symbolic link"
+                if n in names and rel not in files and rel != META:
+                    return None, f"{p} is not listed in meta.json"
     return meta, ""
 
 
-def lookup(key: str, arch: str) -> Path | None:
-    """The entry directory of ``key`` for ``arch`` if a complete one exists, else None.
+def _misfiled(d: Path, meta: Mapping[str, Any]) -> str | None:
+    arch_dir = d.parent.name
+    if meta.get("arch") != arch_dir:
+        return f"built for {meta.get('arch')}, filed under {arch_dir}"
+    if not str(meta.get("key", "")).startswith(d.name):
+        return f"meta.json key {str(meta.get('key'))[:16]} does not match the directory name {d.name}"
+    return None
 
-    Raises :class:`CacheError` when the entry there, or the entry of this key found under another arch's
-    directory, was built for another arch: artifacts are never reused across archs silently."""
+
+def inspect_entry(d: Path, *, hashes: bool = True) -> Entry:
+    """An :class:`Entry` for directory ``d`` (``<root>/<arch>/<key16>``), ``problem`` set when it is damaged
+    or misfiled."""
+    meta, why = _check_entry(d, hashes=hashes)
+    try:
+        size = _dir_size(d)
+    except OSError:
+        size = 0
+    if meta is None:
+        raw = _read_meta(d) or {}
+        return Entry(path=d, arch=d.parent.name, key=str(raw.get("key", "")), meta=raw, size=size,
+                     problem=f"damaged: {why}")
+    mis = _misfiled(d, meta)
+    return Entry(path=d, arch=d.parent.name, key=meta["key"], meta=meta, size=size,
+                 problem=f"misfiled: {mis}" if mis else None)
+
+
+def probe(key: str, arch: str) -> tuple[Path | None, str | None]:
+    """``(entry, None)`` for a complete, verified entry of ``key`` on ``arch``; ``(None, None)`` when there
+    is none; ``(path, why)`` when the entry there is damaged. Wrong-arch and key-collision entries raise
+    :class:`CacheError` (see :func:`lookup`)."""
     d = entry_dir(key, arch)
     if d.is_dir():
-        meta, _why = _check_entry(d)
+        meta, why = _check_entry(d)
         if meta is None:
-            return None  # partial / corrupt: never trusted, rebuilt by get_or_build
+            return d, why  # partial / corrupt / changed: never trusted
         if meta["arch"] != arch:
             raise CacheError(f"cache entry {d} was built for {meta['arch']}, not {arch}; "
                              f"run `mokgen cache clear --arch {arch}` or rebuild with --force")
         if meta["key"] != key:
             raise CacheError(f"cache entry {d} belongs to key {meta['key'][:16]}..., not {key[:16]}... "
                              f"(a key prefix collision); remove it: rm -r {d}")
-        return d
+        return d, None
+    if d.exists():
+        return d, f"{d} is not a directory"
     root = cache_root()
     if root.is_dir():
         for other in sorted(root.iterdir()):
@@ -267,32 +548,68 @@ def lookup(key: str, arch: str) -> Path | None:
             if meta and meta.get("key") == key:
                 raise CacheError(f"the cache entry for this key ({od}) was built for {meta.get('arch')}, "
                                  f"not {arch}; build it for {arch} (mokgen compile SPEC --arch {arch})")
-    return None
+    return None, None
 
 
-def find(sources: Any, arch: str) -> Path | None:
+def lookup(key: str, arch: str) -> Path | None:
+    """The entry directory of ``key`` for ``arch`` if a complete, verified one exists, else None.
+
+    Raises :class:`CacheError` when the entry there, or the entry of this key found under another arch's
+    directory, was built for another arch: artifacts are never reused across archs silently."""
+    d, why = probe(key, arch)
+    return d if why is None else None
+
+
+def _compiler_available() -> bool:
+    try:
+        return importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def find(sources: Any, arch: str, *, compiler: bool | None = None) -> Path | None:
     """The entry for ``sources`` on ``arch``: the exact key; or, on a host without the CuTe DSL (one that
-    loads packed caches), an entry with the same content (arch, tvm-ffi, templates, spec, plan)."""
-    hit = lookup(key_for(sources, arch), arch)
-    if hit is not None or importlib.util.find_spec("cutlass") is not None:
-        return hit
+    loads packed caches), an entry with the same content (arch, tvm-ffi, templates, spec, plan).
+
+    Where the compiler is (``compiler``, default: ``cutlass`` importable) a damaged entry is a miss (the
+    caller rebuilds it); where it is not, a damaged entry raises :class:`DamagedEntryError` saying what to do."""
+    if compiler is None:
+        compiler = _compiler_available()
+    key = key_for(sources, arch)
+    d, why = probe(key, arch)
+    if d is not None and why is None:
+        return d
+    if compiler:
+        return None  # a miss, or damaged: the caller (re)builds it
+    if d is not None:
+        raise _damaged(d, why or "")
     want = content_key_for(sources, arch)
-    for e in list_entries(arch):
+    for e in scan_entries(arch):
         if e.meta.get("content_key") == want:
-            return e.path
+            if e.ok:
+                return e.path
+            raise _damaged(e.path, e.problem or "")
     return None
 
 
-def load_artifacts(path: str | os.PathLike) -> "Any":
-    """The :class:`mokgen.build.Artifacts` of a cache entry directory."""
-    from .build import Artifacts
+def _damaged(d: Path, why: str, rebuild: bool = False) -> DamagedEntryError:
+    if rebuild:
+        what = "rebuild it (mokgen compile SPEC --force)"
+    else:
+        what = ("the CuTe DSL compiler is not installed here to rebuild it: rebuild it where the compiler is and "
+                "unpack a new pack, or remove it (mokgen cache clear)")
+    return DamagedEntryError(f"cache entry {d} is damaged and will not be loaded ({why}); {what}", d, why)
 
+
+def load_artifacts(path: str | os.PathLike, *, status: str = "", note: str = "") -> Artifacts:
+    """The :class:`Artifacts` of a cache entry directory, after verifying every file against ``meta.json``
+    (:class:`DamagedEntryError` if anything differs)."""
     d = Path(path)
     meta, why = _check_entry(d)
     if meta is None:
-        raise CacheError(f"not a complete cache entry: {why}")
+        raise DamagedEntryError(f"not a complete cache entry: {why}", d, why)
     return Artifacts(dir=d, lib=d / LIB_NAME, kernels=tuple(meta.get("kernels", ())), arch=meta["arch"],
-                     key=meta["key"], meta=meta)
+                     key=meta["key"], meta=meta, status=status, note=note)
 
 
 def _dir_size(d: Path) -> int:
@@ -311,15 +628,36 @@ def _rmtree(p: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _copy_into(src_dir: Path, dst_dir: Path, artifacts: Any) -> dict[str, int]:
-    """Copy what an entry keeps; returns {relative path: size}."""
-    files: dict[str, int] = {}
+def _remove(p: Path) -> str | None:
+    """Remove directory ``p`` (renamed aside first); None when it is gone, else why not."""
+    aside = p.with_name(f"{p.name}.del.{os.getpid()}.{time.monotonic_ns()}")
+    try:
+        os.replace(p, aside)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return _OS_REASONS.get(e.errno or -1) or (e.strerror or str(e))
+    errors: list[str] = []
+
+    def onerror(_func: Any, path: str, exc: Any) -> None:
+        err = exc[1] if isinstance(exc, tuple) else exc
+        errors.append(f"{path}: {_OS_REASONS.get(getattr(err, 'errno', -1) or -1) or err}")
+
+    shutil.rmtree(aside, onerror=onerror)
+    if aside.exists():
+        return f"partly removed, the rest is left in {aside} ({errors[0] if errors else 'unknown error'})"
+    return None
+
+
+def _copy_into(src_dir: Path, dst_dir: Path, artifacts: Any) -> dict[str, dict[str, Any]]:
+    """Copy what an entry keeps; returns {relative path: {"size", "sha256"}} of the copies."""
+    files: dict[str, dict[str, Any]] = {}
 
     def put(src: Path, rel: str) -> None:
         dst = dst_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
-        files[rel] = dst.stat().st_size
+        files[rel] = {"size": dst.stat().st_size, "sha256": sha256_file(dst)}
 
     put(Path(artifacts.lib), LIB_NAME)
     for k in artifacts.kernels:
@@ -346,16 +684,30 @@ def _fsync_dir(d: Path) -> None:
             os.close(fd)
 
 
+def _write_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def store(artifacts: Any) -> Path:
     """Copy a build's artifacts into their cache entry, atomically: into ``<entry>.tmp.<pid>`` first, with
-    ``meta.json`` written last, then ``os.replace`` into place. Returns the entry directory. If a complete
-    entry is already there it is kept (and returned); a partial one is replaced."""
+    ``meta.json`` (every file's size and sha256) written last, then ``os.replace`` into place. Returns the
+    entry directory. If a complete entry is already there it is kept (and returned); a damaged one is
+    replaced. File system failures raise :class:`CacheError` naming the path and a remedy."""
     entry = entry_dir(artifacts.key, artifacts.arch)
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_os_error(e, "create the cache directory", entry.parent) from None
     tmp = entry.with_name(f"{entry.name}.tmp.{os.getpid()}")
     _rmtree(tmp)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         files = _copy_into(Path(artifacts.dir), tmp, artifacts)
         meta = dict(artifacts.meta)
         meta.update({
@@ -367,13 +719,7 @@ def store(artifacts: Any) -> Path:
             "stored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "stored_by": {"pid": os.getpid(), "host": socket.gethostname()},
         })
-        mtmp = tmp / f"{META}.tmp"
-        with open(mtmp, "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(mtmp, tmp / META)  # written last
+        _write_json(tmp / META, meta)  # written last
         _fsync_dir(tmp)
         if entry.exists():
             meta_there, _ = _check_entry(entry)
@@ -381,7 +727,7 @@ def store(artifacts: Any) -> Path:
                     and meta_there.get("arch") == artifacts.arch:
                 _rmtree(tmp)
                 return entry
-            _rmtree(entry)  # partial or corrupt
+            _rmtree(entry)  # partial or damaged
         try:
             os.replace(tmp, entry)
         except OSError as e:
@@ -391,6 +737,9 @@ def store(artifacts: Any) -> Path:
             raise
         _fsync_dir(entry.parent)
         return entry
+    except OSError as e:
+        _rmtree(tmp)
+        raise _cache_os_error(e, "store the cache entry", e.filename or tmp) from None
     except BaseException:
         _rmtree(tmp)
         raise
@@ -400,14 +749,30 @@ def store(artifacts: Any) -> Path:
 # locks
 
 
-def _lock_holder(path: Path) -> str:
+def lock_timeout() -> float:
+    """``$MOKGEN_LOCK_TIMEOUT`` (seconds, > 0) if set, else 600."""
+    env = os.environ.get("MOKGEN_LOCK_TIMEOUT", "").strip()
+    if not env:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        t = float(env)
+    except ValueError:
+        t = float("nan")
+    if not (t > 0 and t != float("inf")):
+        raise CacheError(f"MOKGEN_LOCK_TIMEOUT={env!r}: expected a number of seconds > 0")
+    return t
+
+
+def _lock_fields(path: Path) -> dict[str, str]:
     try:
         text = path.read_text().strip()
     except OSError:
-        return "unknown"
-    if not text:
-        return "unknown"
-    fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+        return {}
+    return dict(f.split("=", 1) for f in text.split() if "=" in f)
+
+
+def _lock_holder(path: Path) -> str:
+    fields = _lock_fields(path)
     pid = fields.get("pid", "unknown")
     host = fields.get("host")
     return f"{pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
@@ -439,30 +804,41 @@ def _try_flock(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
-def lock(key: str, timeout: float = 600, *, wait_message: bool = True) -> Iterator[Path]:
+def lock(key: str, timeout: float | None = None, *, wait_message: bool = True,
+         info: dict[str, Any] | None = None) -> Iterator[Path]:
     """Exclusive lock of ``key`` across processes (``fcntl.flock`` on ``<root>/locks/<key[:16]>.lock``).
 
-    Waits up to ``timeout`` seconds, then raises :class:`CacheError` naming the lock file and the pid of the
-    holder (written into the lock file). The kernel releases the lock if the holder dies."""
+    Waits up to ``timeout`` seconds (default :func:`lock_timeout`), then raises :class:`CacheError` naming the
+    lock file and the pid of the holder (written into the lock file). The kernel releases the lock if the
+    holder dies. ``info`` (a dict) receives ``waited`` (seconds) and ``holder`` (the pid waited for, if any)."""
+    if timeout is None:
+        timeout = lock_timeout()
     path = lock_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _try_flock(path)
+    except OSError as e:
+        raise _cache_os_error(e, "take the cache lock", e.filename or path) from None
     t0 = time.monotonic()
     delay = 0.02
     told = False
-    while True:
-        fd = _try_flock(path)
-        if fd is not None:
-            break
+    holder = None
+    while fd is None:
+        holder = _lock_holder(path) if holder in (None, "unknown") else holder
         waited = time.monotonic() - t0
         if waited >= timeout:
             raise CacheError(f"timed out after {timeout:g} s waiting for the cache lock {path} "
-                             f"(held by pid {_lock_holder(path)})")
+                             f"(held by pid {_lock_holder(path)}); set MOKGEN_LOCK_TIMEOUT to wait longer")
         if wait_message and not told and waited > 2.0:
-            print(f"mokgen: waiting for {path} (held by pid {_lock_holder(path)}: another build of the "
+            print(f"mokgen: waiting for {path} (held by pid {holder}: another build of the "
                   f"same kernels)", file=sys.stderr, flush=True)
             told = True
         time.sleep(min(delay, max(0.0, timeout - waited)))
         delay = min(delay * 1.5, 0.25)
+        fd = _try_flock(path)
+    if info is not None:
+        info["waited"] = time.monotonic() - t0 if holder is not None else 0.0
+        info["holder"] = holder
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()} since={int(time.time())}\n".encode(), 0)
@@ -475,47 +851,126 @@ def lock(key: str, timeout: float = 600, *, wait_message: bool = True) -> Iterat
 
 
 # ----------------------------------------------------------------------------------------------------------
+# stale temporary directories
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(arch: str | None = None, *, held_key16: str | None = None) -> list[Path]:
+    """Remove ``<key16>.tmp.<pid>`` / ``.del.<pid>`` directories of processes that are gone (a build or clear
+    killed mid-way), and ``.unpack.<pid>.*`` staging directories of dead unpacks. A directory is left alone
+    while its key's lock is held by someone else. ``held_key16``: the key whose lock the caller holds.
+    Returns what was removed."""
+    root = cache_root()
+    removed: list[Path] = []
+    dirs: list[Path] = []
+    with contextlib.suppress(OSError):
+        for ad in _arch_dirs(arch):
+            dirs += [d for d in ad.iterdir() if _STALE_RE.match(d.name)]
+        if root.is_dir():
+            dirs += [d for d in root.iterdir() if d.name.startswith(".unpack.")]
+    for d in dirs:
+        if d.name.startswith(".unpack."):
+            pid_s = d.name.split(".")[2]
+            key16 = None
+        else:
+            m = _STALE_RE.match(d.name)
+            assert m is not None
+            pid_s, key16 = m.group("pid"), m.group("base")
+        pid = int(pid_s) if pid_s.isdigit() else -1
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        fd = None
+        if key16 is not None and key16 != held_key16 and _is_entry_name(key16):
+            lp = root / "locks" / f"{key16}.lock"
+            if lp.exists():
+                try:
+                    fd = _try_flock(lp)
+                except OSError:
+                    continue
+                if fd is None:
+                    continue  # someone is working on this key right now
+        try:
+            if _remove(d) is None:
+                removed.append(d)
+        finally:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------------------
 # get_or_build
 
 
 def get_or_build(sources: Any, arch: str, build_fn: Callable[..., Any] | None = None, *, force: bool = False,
-                 timeout: float = 600, jobs: int | None = None, progress: bool = True) -> Any:
-    """The :class:`mokgen.build.Artifacts` (``dir`` = the cache entry) of ``sources`` on ``arch``.
+                 timeout: float | None = None, progress: bool = True) -> Artifacts:
+    """The :class:`Artifacts` (``dir`` = the cache entry, ``status`` / ``note`` say how) of ``sources`` on
+    ``arch``.
 
-    lookup; else take the key's lock, lookup again (another process may have built it meanwhile), build
-    into ``<root>/build/<arch>/<key16>`` with ``build_fn(sources, arch, out_dir)`` (default
-    :func:`mokgen.build.build`), store. ``force`` rebuilds even if an entry exists."""
+    lookup (verified); else take the key's lock, lookup again (another process may have built it meanwhile:
+    then ``status`` is "waited"), build into ``<root>/build/<arch>/<key16>`` with
+    ``build_fn(sources, arch, out_dir)``, store. A damaged entry is rebuilt ("rebuilt"). ``force`` rebuilds
+    even if an entry exists. ``build_fn`` is required: this module does not import the compiler
+    (``mokgen.driver.get_or_build`` builds with :func:`mokgen.build.build`)."""
     if build_fn is None:
-        from . import build as _build
-
-        def build_fn(s: Any, a: str, d: Path) -> Any:
-            return _build.build(s, a, d, jobs=jobs, progress=progress)
-
+        raise TypeError("cache.get_or_build needs build_fn(sources, arch, out_dir); "
+                        "mokgen.driver.get_or_build builds with mokgen.build.build")
     key = key_for(sources, arch)
+    damaged: str | None = None
     if not force:
-        hit = lookup(key, arch)
-        if hit is not None:
-            return load_artifacts(hit)
-    with lock(key, timeout=timeout):
+        hit, damaged = probe(key, arch)
+        if hit is not None and damaged is None:
+            return load_artifacts(hit, status="cached", note="cached")
+    ensure_root()
+    info: dict[str, Any] = {}
+    with lock(key, timeout=timeout, info=info, wait_message=progress):
+        sweep_stale(arch, held_key16=key[:16])
         if not force:
-            hit = lookup(key, arch)
-            if hit is not None:
-                return load_artifacts(hit)
+            hit, damaged_now = probe(key, arch)
+            if hit is not None and damaged_now is None:
+                if info.get("waited"):
+                    return load_artifacts(hit, status="waited", note=(
+                        f"loaded the build of pid {info.get('holder')} (waited {info['waited']:.1f} s "
+                        "on its lock)"))
+                return load_artifacts(hit, status="cached", note="cached")
+            damaged = damaged_now or damaged
+        if damaged and progress:
+            print(f"mokgen: cache entry {entry_dir(key, arch)} is damaged ({damaged}); rebuilding it",
+                  file=sys.stderr, flush=True)
         out_dir = build_dir(key, arch)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _cache_os_error(e, "create the build directory", e.filename or out_dir) from None
+        t0 = time.monotonic()
         art = build_fn(sources, arch, out_dir)
         if art.key != key or art.arch != arch:
             raise CacheError(f"build produced artifacts for key {art.key[:16]}/{art.arch}, "
                              f"expected {key[:16]}/{arch}")
-        if force:
+        if force or damaged:
             _rmtree(entry_dir(key, arch))
         entry = store(art)
         _rmtree(out_dir)  # on failure it stays, with build.log, for inspection
-        return load_artifacts(entry)
+        took = time.monotonic() - t0
+        if damaged:
+            return load_artifacts(entry, status="rebuilt", note=f"rebuilt a damaged entry in {took:.1f} s")
+        return load_artifacts(entry, status="built", note=f"built in {took:.1f} s")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# listing, clearing
+# listing, verifying, clearing
 
 
 def _arch_dirs(arch: str | None) -> list[Path]:
@@ -531,25 +986,58 @@ def _is_entry_name(name: str) -> bool:
     return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
 
 
-def list_entries(arch: str | None = None) -> list[Entry]:
-    """The complete entries (all archs, or one)."""
+def _check_root_readable() -> None:
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        raise CacheError(f"the cache directory {root} ({_root_where()}) is not a directory; "
+                         "set MOKGEN_CACHE_DIR to a directory")
+
+
+def scan_entries(arch: str | None = None, *, hashes: bool = True) -> list[Entry]:
+    """Every entry directory (all archs, or one), verified: ``problem`` says which are damaged or misfiled."""
+    _check_root_readable()
     out = []
-    for ad in _arch_dirs(arch):
-        for d in sorted(ad.iterdir()):
-            if not (d.is_dir() and _is_entry_name(d.name)):
-                continue
-            meta, _ = _check_entry(d)
-            if meta is None or meta.get("arch") != ad.name:
-                continue
-            out.append(Entry(path=d, arch=ad.name, key=meta["key"], meta=meta, size=_dir_size(d)))
+    try:
+        for ad in _arch_dirs(arch):
+            for d in sorted(ad.iterdir()):
+                if d.is_dir() and _is_entry_name(d.name):
+                    out.append(inspect_entry(d, hashes=hashes))
+    except OSError as e:
+        raise _cache_os_error(e, "read the cache directory", e.filename or cache_root()) from None
     return out
 
 
-def clear(arch: str | None = None) -> int:
+def list_entries(arch: str | None = None) -> list[Entry]:
+    """The complete, verified entries (all archs, or one)."""
+    return [e for e in scan_entries(arch) if e.ok]
+
+
+def verify(arch: str | None = None) -> list[Entry]:
+    """Every entry, checked strictly (every listed file's sha256, nothing unlisted, no links); see
+    :attr:`Entry.problem`. Also the runtime library of an unpacked pack, as an Entry named ``runtime``."""
+    out = []
+    for e in scan_entries(arch):
+        if e.ok:
+            _meta, why = _check_entry(e.path, strict=True)
+            if why:
+                e = dataclasses.replace(e, problem=f"damaged: {why}")
+        out.append(e)
+    rt = runtime_dir() / RUNTIME_LIB
+    if arch is None and (rt.exists() or (runtime_dir() / META).exists()):
+        why = check_runtime(rt)
+        meta = _read_meta(runtime_dir()) or {}
+        out.append(Entry(path=runtime_dir(), arch="-", key="runtime", meta=meta,
+                         size=rt.stat().st_size if rt.exists() else 0, problem=f"damaged: {why}" if why else None))
+    return out
+
+
+def clear_report(arch: str | None = None) -> tuple[list[Path], list[tuple[Path, str]]]:
     """Remove the entries (complete or not), temp and build directories of ``arch`` (or of all archs).
-    Keys whose lock is held (a build in progress) are skipped. Returns the number of directories removed."""
+    Keys whose lock is held (a build in progress) are kept. Returns (removed, [(kept, why)])."""
     root = cache_root()
-    n = 0
+    _check_root_readable()
+    removed: list[Path] = []
+    kept: list[tuple[Path, str]] = []
     dirs: list[Path] = []
     for ad in _arch_dirs(arch):
         dirs += [d for d in ad.iterdir() if d.is_dir()]
@@ -561,15 +1049,23 @@ def clear(arch: str | None = None) -> int:
     for d in sorted(set(dirs)):
         key16 = d.name.split(".", 1)[0]
         lp = root / "locks" / f"{key16}.lock"
-        fd = _try_flock(lp) if (_is_entry_name(key16) and lp.parent.is_dir()) else None
-        if _is_entry_name(key16) and lp.parent.is_dir() and fd is None:
-            print(f"mokgen: {d} is in use (lock {lp} held by pid {_lock_holder(lp)}); kept", file=sys.stderr)
-            continue
+        fd = None
+        if _is_entry_name(key16) and lp.parent.is_dir():
+            try:
+                fd = _try_flock(lp)
+            except OSError:
+                fd = -1  # cannot even open the lock file (read-only): removal below will say why
+            if fd is None:
+                kept.append((d, f"in use (lock {lp} held by pid {_lock_holder(lp)})"))
+                continue
         try:
-            _rmtree(d)
-            n += 1
+            why = _remove(d)
+            if why is None:
+                removed.append(d)
+            else:
+                kept.append((d, why))
         finally:
-            if fd is not None:
+            if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
                     lp.unlink()
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -577,11 +1073,16 @@ def clear(arch: str | None = None) -> int:
     for ad in _arch_dirs(arch):
         with contextlib.suppress(OSError):
             ad.rmdir()
-    return n
+    return removed, kept
+
+
+def clear(arch: str | None = None) -> int:
+    """:func:`clear_report`, returning the number of directories removed."""
+    return len(clear_report(arch)[0])
 
 
 # ----------------------------------------------------------------------------------------------------------
-# pack / unpack (prebuilt caches for hosts without the compiler)
+# the CuTe DSL runtime library (hosts without the compiler get it from a pack)
 
 
 def runtime_library() -> Path | None:
@@ -590,7 +1091,10 @@ def runtime_library() -> Path | None:
     env = os.environ.get("MOKGEN_RUNTIME_LIB")
     if env and Path(env).is_file():
         return Path(env)
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    try:
+        spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    except (ImportError, ValueError):
+        spec = None
     if spec is not None and spec.submodule_search_locations:
         for base in spec.submodule_search_locations:
             for sub in ("cu13/lib", "cu12/lib", "lib"):
@@ -601,120 +1105,370 @@ def runtime_library() -> Path | None:
     return p if p.exists() else None
 
 
+def check_runtime(path: str | os.PathLike | None = None) -> str:
+    """"" if the runtime library an unpacked pack installed (``<root>/runtime/``) matches its ``meta.json``
+    (size, sha256), else why not."""
+    p = Path(path) if path is not None else runtime_dir() / RUNTIME_LIB
+    meta = _read_meta(p.parent)
+    if meta is None:
+        return f"{p.parent / META} is missing or does not parse (installed by an older mokgen?); unpack the pack again"
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return f"{p} is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{p} is not a regular file"
+    if st.st_size != meta.get("size"):
+        return f"{p} has {st.st_size} bytes, {META} says {meta.get('size')}"
+    if sha256_file(p) != meta.get("sha256"):
+        return f"{p} does not match its sha256 in {META}"
+    return ""
+
+
+def install_runtime(src: str | os.PathLike, dsl_versions: Mapping[str, str], *, origin: str = "",
+                    sha256: str | None = None) -> Path:
+    """Install ``src`` as ``<root>/runtime/libcute_dsl_runtime.so`` with a ``meta.json`` recording its size,
+    sha256 and CuTe DSL version (what :func:`check_runtime` verifies before a load)."""
+    d = runtime_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    dst = d / RUNTIME_LIB
+    tmp = dst.with_name(f"{dst.name}.tmp.{os.getpid()}")
+    shutil.copy2(src, tmp)
+    digest = sha256_file(tmp)
+    if sha256 is not None and digest != sha256:
+        tmp.unlink()
+        raise CacheError(f"{src} changed while it was installed (sha256 {digest[:12]}, expected {sha256[:12]})")
+    _write_json(d / f"{META}.new", {
+        "format": META_FORMAT, "file": RUNTIME_LIB, "size": tmp.stat().st_size, "sha256": digest,
+        "dsl_versions": _dsl_only(dsl_versions),
+        "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": origin})
+    os.replace(tmp, dst)
+    os.replace(d / f"{META}.new", d / META)
+    return dst
+
+
+def runtime_versions() -> dict[str, str]:
+    """The CuTe DSL versions the unpacked runtime library belongs to (empty if unknown)."""
+    return _dsl_only((_read_meta(runtime_dir()) or {}).get("dsl_versions"))
+
+
 def _dsl_runtime_for_pack() -> Path:
     p = runtime_library()
-    if p is not None:
+    if p is not None and not str(p).startswith(str(runtime_dir())):
         return p
     try:
-        from .build import runtime_libraries
+        from cutlass.cute.runtime import find_runtime_libraries  # type: ignore
 
-        for q in runtime_libraries():
+        for q in find_runtime_libraries(enable_tvm_ffi=True):
             if Path(q).name == RUNTIME_LIB:
                 return Path(q)
     except Exception:
         pass
+    if p is not None:
+        return p
     raise CacheError(f"cannot find {RUNTIME_LIB} (is nvidia-cutlass-dsl installed? or set MOKGEN_RUNTIME_LIB)")
 
 
+def _pack_runtime_versions(rt: Path) -> dict[str, str]:
+    if str(rt).startswith(str(runtime_dir())):
+        return runtime_versions()
+    return _dsl_only(dsl_versions())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pack / unpack (prebuilt caches for hosts without the compiler)
+
+
 def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
-    """Write the complete entries (of ``arch``, or all) and ``runtime/libcute_dsl_runtime.so`` into a
-    ``.tar.xz`` that :func:`unpack` installs on another host (one without the compiler)."""
-    entries = list_entries(arch)
+    """Write the complete, verified entries (of ``arch``, or all) and ``runtime/libcute_dsl_runtime.so``
+    (with its version and sha256 in ``MANIFEST.json``) into a ``.tar.xz`` that :func:`unpack` installs on
+    another host (one without the compiler). Damaged entries are left out, with a warning."""
+    out = Path(out_tar).expanduser().resolve()
+    if out.is_dir():
+        raise CacheError(f"cannot write the pack {out}: it is a directory; name the file to write, "
+                         f"e.g. {out / 'kernels.tar.xz'}")
+    all_entries = scan_entries(arch)
+    rt = _dsl_runtime_for_pack()
+    rt_versions = _pack_runtime_versions(rt)
+    entries = []
+    for e in all_entries:
+        if not e.ok:
+            print(f"mokgen: not packing {e.path}: {e.problem}", file=sys.stderr, flush=True)
+        elif rt_versions and _dsl_only(e.meta.get("dsl_versions")) not in ({}, rt_versions):
+            print(f"mokgen: not packing {e.path}: built with CuTe DSL "
+                  f"{_dsl_only(e.meta.get('dsl_versions')).get(_DSL_PREFIX)}, the runtime packed is "
+                  f"{rt_versions.get(_DSL_PREFIX)}", file=sys.stderr, flush=True)
+        else:
+            entries.append(e)
     if not entries:
         raise CacheError(f"nothing to pack: no complete cache entries{' for ' + arch if arch else ''} in "
                          f"{cache_root()}")
-    out = Path(out_tar).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rt = _dsl_runtime_for_pack()
     manifest = {
         "format": META_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dsl_versions": dsl_versions(),
         "entries": [{"arch": e.arch, "key": e.key, "spec": e.spec_name, "kernels": e.meta.get("kernels", [])}
                     for e in entries],
-        "runtime": f"runtime/{RUNTIME_LIB}",
+        "runtime": {"path": f"runtime/{RUNTIME_LIB}", "size": rt.stat().st_size, "sha256": sha256_file(rt),
+                    "dsl_versions": rt_versions},
     }
     tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         # preset 1: 5 s for the 43 MB runtime instead of 30 s at the default, for 2 MB more
         with tarfile.open(tmp, "w:xz", preset=1) as tf:
             data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-            info = tarfile.TarInfo("MANIFEST.json")
+            info = tarfile.TarInfo(MANIFEST)
             info.size = len(data)
             info.mtime = int(time.time())
-            import io
-
             tf.addfile(info, io.BytesIO(data))
             tf.add(rt, arcname=f"runtime/{RUNTIME_LIB}")
-            for e in entries:
-                tf.add(e.path, arcname=f"{e.arch}/{e.path.name}")
+            for e in entries:  # what meta.json lists, and meta.json: nothing else travels
+                for rel in sorted(e.meta["files"]) + [META]:
+                    tf.add(e.path / rel, arcname=f"{e.arch}/{e.path.name}/{rel}", recursive=False)
         os.replace(tmp, out)
+    except OSError as e:
+        raise CacheError(os_error_message(e, "write the pack", "choose another output path or free space",
+                                          e.filename or out)) from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
     return out
 
 
+_MEMBER_RE = re.compile(r"^(?:MANIFEST\.json|runtime(?:/libcute_dsl_runtime\.so)?|sm_[0-9a-z]+(?:/[0-9a-f]{16}(?:/.+)?)?)$")
+
+
+def _scan_pack(tarp: Path) -> tuple[dict[str, tuple[int, str]], dict[str, bytes], list[str], set[str]]:
+    """Read a pack without writing anything: ({file: (size, sha256)}, {small json member: bytes},
+    problems, dirs)."""
+    files: dict[str, tuple[int, str]] = {}
+    small: dict[str, bytes] = {}
+    dirs: set[str] = set()
+    problems: list[str] = []
+    try:
+        with tarfile.open(tarp, "r:*") as tf:
+            for m in tf:
+                name = m.name.rstrip("/")
+                if name.startswith("./"):
+                    name = name[2:]
+                parts = PurePosixPath(name).parts
+                if m.name.startswith("/") or ".." in parts or not name or not _MEMBER_RE.match(name):
+                    problems.append(f"unsafe or unexpected member {m.name!r}")
+                    continue
+                if m.isdir():
+                    dirs.add(name)
+                    continue
+                if not m.isfile():
+                    problems.append(f"member {m.name!r} is not a regular file (links and devices are refused)")
+                    continue
+                if name in files:
+                    problems.append(f"member {m.name!r} appears twice")
+                    continue
+                f = tf.extractfile(m)
+                assert f is not None
+                h = hashlib.sha256()
+                keep = name == MANIFEST or name.endswith("/" + META)
+                buf = bytearray()
+                n = 0
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                    n += len(chunk)
+                    if keep and n <= _MAX_META_BYTES:
+                        buf += chunk
+                files[name] = (n, h.hexdigest())
+                if keep:
+                    if n > _MAX_META_BYTES:
+                        problems.append(f"{name} is too large ({n} bytes)")
+                    else:
+                        small[name] = bytes(buf)
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        raise CacheError(f"{tarp} is not a readable mokgen pack: {e}") from None
+    return files, small, problems, dirs
+
+
+def _verify_pack(tarp: Path) -> dict[str, Any]:
+    """Check every member of a pack (paths, types, sizes, sha256, metadata); raise :class:`CacheError` naming
+    the problems if anything is wrong. Writes nothing. Returns what to install."""
+    files, small, problems, _dirs = _scan_pack(tarp)
+    manifest: dict[str, Any] = {}
+    if MANIFEST not in small:
+        problems.append(f"no {MANIFEST} (not a mokgen pack)")
+    else:
+        try:
+            manifest = json.loads(small[MANIFEST])
+            assert isinstance(manifest, dict)
+        except Exception:
+            problems.append(f"{MANIFEST} does not parse")
+            manifest = {}
+    rt_name = f"runtime/{RUNTIME_LIB}"
+    rt = manifest.get("runtime")
+    runtime: dict[str, Any] | None = None
+    fmt = manifest.get("format") if manifest else None
+    if manifest and (not isinstance(fmt, int) or fmt < META_FORMAT):
+        problems.append(f"{MANIFEST} is format {fmt} (a pack from an older mokgen, without "
+                        "content hashes); pack it again with this mokgen")
+    elif manifest:
+        if rt_name in files:
+            if not (isinstance(rt, dict) and rt.get("path") == rt_name):
+                problems.append(f"{rt_name} is not described in {MANIFEST}")
+            elif (rt.get("size"), rt.get("sha256")) != files[rt_name]:
+                problems.append(f"{rt_name} does not match its size and sha256 in {MANIFEST}")
+            else:
+                runtime = {"size": rt["size"], "sha256": rt["sha256"],
+                           "dsl_versions": _dsl_only(rt.get("dsl_versions"))}
+        elif rt is not None:
+            problems.append(f"{MANIFEST} names a runtime library the pack does not hold")
+    # the entries: every file listed in meta.json with its size and sha256, nothing else
+    by_entry: dict[str, list[str]] = {}
+    for name in files:
+        p = PurePosixPath(name).parts
+        if p[0].startswith("sm_"):
+            if len(p) < 3:
+                problems.append(f"member {name!r} is not inside an entry directory")
+                continue
+            by_entry.setdefault(f"{p[0]}/{p[1]}", []).append("/".join(p[2:]))
+    entries: list[dict[str, Any]] = []
+    listed = {f"{e.get('arch')}/{str(e.get('key', ''))[:16]}" for e in manifest.get("entries", [])
+              if isinstance(e, dict)} if manifest else set()
+    for ename, rels in sorted(by_entry.items()):
+        arch_d, key16 = ename.split("/")
+        raw = small.get(f"{ename}/{META}")
+        if raw is None:
+            problems.append(f"{ename}: no {META}")
+            continue
+        try:
+            meta = json.loads(raw)
+            assert isinstance(meta, dict)
+        except Exception:
+            problems.append(f"{ename}: {META} does not parse")
+            continue
+        if not isinstance(meta.get("key"), str) or not _HEX64.match(meta["key"]):
+            problems.append(f"{ename}: {META} has no valid key")
+            continue
+        if meta.get("arch") != arch_d:
+            problems.append(f"{ename}: {META} says arch {meta.get('arch')}, the entry is filed under {arch_d}")
+            continue
+        if not meta["key"].startswith(key16):
+            problems.append(f"{ename}: {META} key {meta['key'][:16]} does not match")
+            continue
+        recs, why = _file_records(meta, f"{ename}/{META}")
+        if recs is None:
+            problems.append(why)
+            continue
+        bad = False
+        for rel, rec in sorted(recs.items()):
+            got = files.get(f"{ename}/{rel}")
+            if got is None:
+                problems.append(f"{ename}/{rel} is listed in {META} but not in the pack")
+                bad = True
+            elif got != (rec["size"], rec["sha256"]):
+                problems.append(f"{ename}/{rel} does not match its size and sha256 in {META}")
+                bad = True
+        for rel in rels:
+            if rel != META and rel not in recs:
+                problems.append(f"{ename}/{rel} is not listed in {META}")
+                bad = True
+        if manifest and ename not in listed:
+            problems.append(f"{ename} is not listed in {MANIFEST}")
+            bad = True
+        if runtime and runtime["dsl_versions"] and _dsl_only(meta.get("dsl_versions")) not in ({},
+                                                                                             runtime["dsl_versions"]):
+            problems.append(f"{ename} was built with CuTe DSL {_dsl_only(meta.get('dsl_versions')).get(_DSL_PREFIX)}"
+                            f", the pack's runtime library is {runtime['dsl_versions'].get(_DSL_PREFIX)}")
+            bad = True
+        if not bad:
+            entries.append({"name": ename, "arch": arch_d, "key": meta["key"], "meta": meta})
+    for missing in sorted(listed - set(by_entry)):
+        problems.append(f"{MANIFEST} lists {missing}, which the pack does not hold")
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CacheError(f"{tarp}: refused, nothing installed: {'; '.join(problems[:3])}{more}")
+    return {"entries": entries, "runtime": runtime}
+
+
 def unpack(tar: str | os.PathLike) -> dict[str, Any]:
-    """Install the entries of a pack into this host's cache (all archs kept; :func:`lookup` is per arch)
-    and its runtime library into ``<root>/runtime/``. Each entry's ``meta.json`` is verified (parses, names
-    the arch of its directory and a key matching the directory name, files present with the listed sizes);
-    entries that fail are refused. Returns ``{"installed": [...], "present": [...], "refused": [(name, why)],
-    "runtime": path | None}``."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    """Install a pack into this host's cache, all or nothing: every member is verified first (paths, types,
+    every entry file's size and sha256 against its ``meta.json``, the runtime library against the manifest),
+    and a pack with any problem is refused (:class:`CacheError`) before anything is written. Then the entries
+    (all archs kept; :func:`lookup` is per arch) and the runtime library (``<root>/runtime/``, with a
+    ``meta.json`` recording its version and sha256) are installed. Returns ``{"installed": [...],
+    "present": [...], "runtime": path | None, "runtime_status": "installed" | "present" | None}``."""
     tarp = Path(tar)
     if not tarp.is_file():
-        raise CacheError(f"no such pack: {tarp}")
-    stage = Path(tempfile.mkdtemp(prefix=f".unpack.{os.getpid()}.", dir=root))
-    result: dict[str, Any] = {"installed": [], "present": [], "refused": [], "runtime": None}
+        raise CacheError(f"no such pack: {tarp}" + (" (it is a directory)" if tarp.is_dir() else ""))
+    plan = _verify_pack(tarp)  # reads only
+    runtime = plan["runtime"]
+    # a runtime of another DSL version would break the entries already installed for the one there
+    if runtime is not None:
+        have = runtime_versions()
+        if have and runtime["dsl_versions"] and have != runtime["dsl_versions"] and not check_runtime():
+            users = [e for e in list_entries() if _dsl_only(e.meta.get("dsl_versions")) == have]
+            if users:
+                raise CacheError(
+                    f"{tarp}: refused, nothing installed: its runtime library is CuTe DSL "
+                    f"{runtime['dsl_versions'].get(_DSL_PREFIX)} but {len(users)} cached entr"
+                    f"{'y' if len(users) == 1 else 'ies'} need the installed {have.get(_DSL_PREFIX)} "
+                    f"({runtime_dir()}); remove them first (mokgen cache clear) or use another MOKGEN_CACHE_DIR")
+    root = ensure_root()
+    result: dict[str, Any] = {"installed": [], "present": [], "runtime": None, "runtime_status": None}
+    stage: Path | None = None
+    installed: list[Path] = []
     try:
+        stage = Path(tempfile.mkdtemp(prefix=f".unpack.{os.getpid()}.", dir=root))
         try:
             with tarfile.open(tarp, "r:*") as tf:
-                for m in tf.getmembers():
-                    parts = Path(m.name).parts
-                    if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
-                        raise CacheError(f"{tarp}: refusing unsafe member {m.name!r}")
                 if hasattr(tarfile, "data_filter"):
                     tf.extractall(stage, filter="data")
                 else:  # pragma: no cover - python < 3.11.4
                     tf.extractall(stage)
-        except (tarfile.TarError, OSError, EOFError) as e:
+        except (tarfile.TarError, EOFError) as e:
             raise CacheError(f"{tarp} is not a readable mokgen pack: {e}") from None
-        rt = stage / "runtime" / RUNTIME_LIB
-        if rt.is_file():
-            runtime_dir().mkdir(parents=True, exist_ok=True)
+        # the staged copy is checked again: the pack may have changed between the two reads
+        for e in plan["entries"]:
+            d = stage / e["name"]
+            meta, why = _check_entry(d, strict=True)
+            if meta is None:
+                raise CacheError(f"{tarp}: refused, nothing installed: {e['name']}: {why.replace(str(stage) + '/', '')}")
+        rt_staged = stage / "runtime" / RUNTIME_LIB
+        if runtime is not None:
+            if rt_staged.stat().st_size != runtime["size"] or sha256_file(rt_staged) != runtime["sha256"]:
+                raise CacheError(f"{tarp}: refused, nothing installed: runtime/{RUNTIME_LIB} changed while "
+                                 "it was read")
+        for e in plan["entries"]:
+            d = stage / e["name"]
+            dst = root / e["arch"] / d.name
+            with lock(e["key"], timeout=60):
+                if dst.exists() and _check_entry(dst)[0] is not None:
+                    result["present"].append(dst)
+                    continue
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                _rmtree(dst)
+                os.replace(d, dst)
+            installed.append(dst)
+            result["installed"].append(dst)
+        if runtime is not None:
             dst = runtime_dir() / RUNTIME_LIB
-            tmp = dst.with_name(f"{dst.name}.tmp.{os.getpid()}")
-            shutil.copy2(rt, tmp)
-            os.replace(tmp, dst)
+            if dst.exists() and not check_runtime(dst) and (_read_meta(runtime_dir()) or {}).get("sha256") \
+                    == runtime["sha256"]:
+                result["runtime_status"] = "present"
+            else:
+                install_runtime(rt_staged, runtime["dsl_versions"], origin=str(tarp), sha256=runtime["sha256"])
+                result["runtime_status"] = "installed"
             result["runtime"] = dst
-        for ad in sorted(p for p in stage.iterdir() if p.is_dir() and p.name.startswith("sm_")):
-            for d in sorted(ad.iterdir()):
-                name = f"{ad.name}/{d.name}"
-                if not (d.is_dir() and _is_entry_name(d.name)):
-                    result["refused"].append((name, "not a cache entry directory"))
-                    continue
-                meta, why = _check_entry(d)
-                if meta is None:
-                    result["refused"].append((name, why.replace(str(stage) + "/", "")))
-                    continue
-                if meta["arch"] != ad.name:
-                    result["refused"].append((name, f"meta.json says arch {meta['arch']}, the entry is filed "
-                                                    f"under {ad.name}"))
-                    continue
-                if not str(meta["key"]).startswith(d.name):
-                    result["refused"].append((name, f"meta.json key {str(meta['key'])[:16]} does not match"))
-                    continue
-                dst = root / ad.name / d.name
-                with lock(meta["key"], timeout=60):
-                    if dst.exists() and _check_entry(dst)[0] is not None:
-                        result["present"].append(dst)
-                        continue
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    _rmtree(dst)
-                    os.replace(d, dst)
-                result["installed"].append(dst)
+    except OSError as e:
+        for d in installed:  # all or nothing
+            _rmtree(d)
+        with contextlib.suppress(OSError):
+            for p in runtime_dir().glob(f"*.tmp.{os.getpid()}"):
+                p.unlink()
+            (runtime_dir() / f"{META}.new").unlink()
+        raise _cache_os_error(e, "install the pack into", e.filename or root) from None
+    except BaseException:
+        for d in installed:
+            _rmtree(d)
+        raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
     return result

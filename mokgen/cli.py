@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 EXIT_ERROR = 2
 
 _ERROR_CLASSES = (
+    ("mokgen.arch", "ArchError"),
     ("mokgen.spec", "SpecError"),
     ("mokgen.plan", "PlanError"),
     ("mokgen.emit", "EmitError"),
@@ -70,16 +71,24 @@ def _err(line: str) -> None:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[bool] | None = None) -> str:
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    """A plain-text table (rich): a header line, a line of dashes, one line per row; never wrapped."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    dashes = box.Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
+    t = Table(box=dashes, show_edge=False, pad_edge=False, padding=(0, 1), header_style=None)
     right = right or [False] * len(headers)
-
-    def fmt(r: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if ra else c.ljust(w) for c, w, ra in zip(r, widths, right)).rstrip()
-
-    lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
-    lines += [fmt(r) for r in cells[1:]]
-    return "\n".join(lines)
+    for h, r in zip(headers, right):
+        t.add_column(str(h), justify="right" if r else "left", no_wrap=True, overflow="ignore")
+    for r in rows:
+        t.add_row(*["" if c is None else str(c) for c in r])
+    buf = io.StringIO()
+    Console(file=buf, width=1 << 16, color_system=None, force_terminal=False, highlight=False,
+            emoji=False, markup=False).print(t)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -91,19 +100,20 @@ def _load_spec(src: str) -> Any:
 
 
 def _arch(args: argparse.Namespace) -> str:
-    from .build import resolve_arch
+    from .arch import resolve_arch
 
     return resolve_arch(getattr(args, "arch", None))
 
 
 def _overrides(items: list[str] | None) -> dict[str, Any]:
-    """``--set key=value`` (repeatable) -> plan overrides; integers are converted."""
+    """``--set key=value`` (repeatable; also ``k=v,k=v``) -> plan overrides, through the one parser
+    (:func:`mokgen.plan.parse_overrides`); integers are converted."""
+    parse = _need("mokgen.plan", "parse_overrides").parse_overrides
     out: dict[str, Any] = {}
     for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        if "=" not in item:
             raise CLIError(f"--set: expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        out.update(parse(item, what="--set"))
     return out
 
 
@@ -167,15 +177,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable_dir(path: Path, what: str) -> Path:
+    """Create ``path`` (a directory we are about to write into), or a CLIError that says why not and what to do."""
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"{what} {path} is not a directory; choose a directory (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from .cache import os_error_message
+
+        raise CLIError(os_error_message(e, f"create {what}", "choose another directory", e.filename or path)) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CLIError(f"cannot write into {what} {path}: permission denied or read-only; choose another directory")
+    return path
+
+
 def cmd_emit(args: argparse.Namespace) -> int:
     from .build import _safe_relpath, _write_if_changed
+    from .cache import os_error_message
 
     spec = _load_spec(args.spec)
     arch = _arch(args)
     sources = _emit(_solve(spec, arch))
-    out = Path(args.out)
+    out = _writable_dir(Path(args.out), "--out")
     for fname, text in sorted(sources.files.items()):
-        _write_if_changed(out / _safe_relpath(fname), text)
+        try:
+            _write_if_changed(out / _safe_relpath(fname), text)
+        except OSError as e:
+            raise CLIError(os_error_message(e, "write", None, e.filename or out / fname)) from None
         _out(str(out / fname))
     _err(f"mokgen: emitted {len(sources.files)} file(s) for {spec.name} on {arch} "
          f"(template hash {str(sources.template_hash)[:12]}) into {out}")
@@ -194,22 +223,27 @@ def _print_ptx_report(report: dict[str, dict[str, bool]]) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from . import build, cache
+    from . import build, driver
 
     spec = _load_spec(args.spec)
     arch = _arch(args)
     plan = _solve(spec, arch, args.set)
     sources = _emit(plan)
-    key = cache.key_for(sources, arch)
-    cached = not args.force and cache.lookup(key, arch) is not None
-    t0 = time.monotonic()
-    art = cache.get_or_build(sources, arch, force=args.force, jobs=args.jobs, progress=not args.quiet)
-    how = "cached" if cached else f"built in {time.monotonic() - t0:.1f} s"
-    _out(f"{spec.name} {arch}: {len(art.kernels)} kernel(s), {how}")
+    # the same resolution as mokgen.compile(): build where the compiler is, find (by key or content) where not
+    art = driver.resolve(sources, arch, force=args.force, jobs=args.jobs, progress=not args.quiet)
+    _out(f"{spec.name} {arch}: {len(art.kernels)} kernel(s), {art.note or art.status or 'ready'}")
     _out(f"entry: {art.dir}")
     _out(f"library: {art.lib}")
     _print_ptx_report(build.ptx_report(art))
     return 0
+
+
+def _n(n: int, word: str = "entr") -> str:
+    return f"{n} {word}{'y' if n == 1 else 'ies'}" if word == "entr" else f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _status(e: Any) -> str:
+    return "ok" if e.ok else str(e.problem).split(":", 1)[0].upper()
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -219,23 +253,46 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if what == "path":
         _out(str(cache.cache_root()))
     elif what == "list":
-        entries = cache.list_entries(args.arch)
+        entries = cache.scan_entries(args.arch)
         if not entries:
             _err(f"mokgen: no cache entries in {cache.cache_root()}")
             return 0
-        rows = [[e.arch, e.path.name, e.spec_name, len(e.meta.get("kernels", [])), f"{e.size / 1e6:.1f}",
-                 str(e.meta.get("stored_at", "?")), str(e.path)] for e in entries]
-        _out(_table(["arch", "key", "spec", "kernels", "MB", "stored", "path"], rows,
-                    [False, False, False, True, True, False, False]))
+        rows = [[e.arch, e.path.name, e.spec_name, len(e.meta.get("kernels", []) or []), f"{e.size / 1e6:.1f}",
+                 str(e.meta.get("stored_at", "?")), _status(e), str(e.path)] for e in entries]
+        _out(_table(["arch", "key", "spec", "kernels", "MB", "stored", "status", "path"], rows,
+                    [False, False, False, True, True, False, False, False]))
+        bad = [e for e in entries if not e.ok]
+        for e in bad:
+            _err(f"mokgen: {e.path}: {e.problem}")
+        if bad:
+            _err(f"mokgen: {_n(len(bad))} damaged or misfiled: never loaded; `mokgen compile` rebuilds them, "
+                 "`mokgen cache clear` removes them")
+    elif what == "verify":
+        entries = cache.verify(args.arch)
+        bad = [e for e in entries if not e.ok]
+        for e in entries:
+            _out(f"{'ok' if e.ok else _status(e):9} {e.path}" + ("" if e.ok else f": {e.problem.split(': ', 1)[-1]}"))
+        if bad:
+            raise cache.CacheError(f"{len(bad)} of {len(entries)} checked in {cache.cache_root()} damaged or "
+                                   "misfiled (see above): `mokgen compile SPEC` rebuilds an entry, `mokgen cache "
+                                   "clear` removes them, `mokgen cache unpack` reinstalls a runtime")
+        _out(f"verified {_n(len(entries), 'item')} in {cache.cache_root()}: all intact")
     elif what == "clear":
-        n = cache.clear(args.arch)
-        _out(f"removed {n} entr{'y' if n == 1 else 'ies'} from {cache.cache_root()}"
-             + (f" ({args.arch})" if args.arch else ""))
+        removed, kept = cache.clear_report(args.arch)
+        where = f"{cache.cache_root()}" + (f" ({args.arch})" if args.arch else "")
+        _out(f"removed {_n(len(removed))} from {where}")
+        for p, why in kept:
+            _err(f"mokgen: not removed: {p}: {why}")
+        if kept:
+            raise cache.CacheError(f"{len(kept)} director{'y' if len(kept) == 1 else 'ies'} not removed from "
+                                   f"{where} (see above)")
     elif what == "pack":
         out = cache.pack(args.out, args.arch)
-        n = len(cache.list_entries(args.arch))
-        _out(f"packed {n} entr{'y' if n == 1 else 'ies'} and the CuTe DSL runtime into {out} "
-             f"({out.stat().st_size / 1e6:.1f} MB)")
+        import tarfile
+
+        with tarfile.open(out) as tf:
+            n = len({m.name.split("/")[1] for m in tf.getmembers() if m.name.startswith("sm_") and "/" in m.name})
+        _out(f"packed {_n(n)} and the CuTe DSL runtime into {out} ({out.stat().st_size / 1e6:.1f} MB)")
         _out(f"on the GPU host: mokgen cache unpack {out.name}")
     elif what == "unpack":
         res = cache.unpack(args.tar)
@@ -244,12 +301,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         for p in res["present"]:
             _out(f"present   {p}")
         if res["runtime"]:
-            _out(f"runtime   {res['runtime']}")
-        for name, why in res["refused"]:
-            _err(f"mokgen: refused {name}: {why}")
-        if res["refused"]:
-            raise cache.CacheError(f"{len(res['refused'])} entr{'y' if len(res['refused']) == 1 else 'ies'} of "
-                                   f"{args.tar} refused (see above)")
+            _out(f"runtime   {res['runtime']} ({res.get('runtime_status') or 'installed'})")
     return 0
 
 
@@ -287,14 +339,37 @@ def cmd_tune(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line ``mokgen: error: ...`` (exit 2) like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        cmd = self.prog if self.prog != "mokgen" else "mokgen"
+        _err(f"mokgen: error: {message} (see {cmd} --help)")
+        raise SystemExit(EXIT_ERROR)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (parallel compiles), got {text!r}")
+    return n
+
+
 def make_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    from . import __version__
+    from .arch import ARCH_NAMES
+
+    ap = _Parser(
         prog="mokgen",
         description="Compile Mixture-of-Experts kernels from a spec (preset name or YAML file).",
     )
-    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    ap.add_argument("--version", action="version", version=f"mokgen {__version__}")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    arch_help = "target arch: sm_90a or sm_100a (default: $MOKGEN_ARCH, else the visible GPU)"
+    arch_help = f"target arch: {' or '.join(ARCH_NAMES)} (default: $MOKGEN_ARCH, else the visible GPU)"
 
     p = sub.add_parser("specs", help="list the preset specs")
     p.set_defaults(func=cmd_specs)
@@ -317,16 +392,19 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="emit and build the kernels (through the cache)")
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("--arch", help=arch_help)
-    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N", help="parallel compiles (default: ninja's)")
+    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
+                   help="parallel compiles, >= 1 (default: ninja's)")
     p.add_argument("--force", action="store_true", help="rebuild even if the cache has the entry")
     p.add_argument("--quiet", "-q", action="store_true", help="no build progress")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="plan override (repeatable), e.g. schedule=fused, cluster=2, gemm1_bn=128")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("cache", help="inspect and move the kernel cache")
-    csub = p.add_subparsers(dest="cache_cmd", metavar="ACTION")
+    csub = p.add_subparsers(dest="cache_cmd", metavar="ACTION", parser_class=_Parser)
     csub.required = True
-    c = csub.add_parser("list", help="list the complete entries")
+    c = csub.add_parser("list", help="list the entries (damaged or misfiled ones marked)")
+    c.add_argument("--arch")
+    c = csub.add_parser("verify", help="check every entry's files against their sha256 (exit 2 on damage)")
     c.add_argument("--arch")
     c = csub.add_parser("clear", help="remove entries")
     c.add_argument("--arch")
@@ -356,7 +434,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    try:
+        args = make_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version (0) or a usage error (already reported in one line)
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_ERROR
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
@@ -370,6 +451,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if isinstance(e, _mokgen_errors()):
             _err(f"mokgen: error: {_one_line(e)}")
+            return EXIT_ERROR
+        if isinstance(e, OSError):  # a file system failure nothing above turned into a mokgen error
+            from .cache import os_error_message
+
+            remedy = ("free space there or set MOKGEN_CACHE_DIR to another file system"
+                      if e.errno in (28, 122) else None)  # ENOSPC, EDQUOT
+            _err(f"mokgen: error: {os_error_message(e, 'write' if e.errno in (28, 122, 30) else 'access', remedy)}")
             return EXIT_ERROR
         raise
 

@@ -10,7 +10,8 @@ Pieces (docs/contract.md, "Device workspace and kernels" and "runtime"):
   also returns the per-call state the backward needs: z and the routing metadata) with its autograd formula,
   ``torch.ops.mokgen.moe_backward``: the generated backward kernels (:meth:`CompiledMoE.backward`), no host sync.
 * :class:`MoE`: an ``nn.Module`` owning the expert weights.
-* :func:`compile`: spec -> plan -> sources -> cache / build -> :class:`CompiledMoE`.
+* the driver (spec -> plan -> sources -> cache / build -> :class:`CompiledMoE`) is :mod:`mokgen.driver`; this
+  module imports neither the compiler (plan, emit, build) nor the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ __all__ = [
     "Saved",
     "moe_forward",
     "MoE",
-    "compile",
     "kernels_of",
     "uses_gather_kernel",
 ]
@@ -974,7 +974,9 @@ class MoE(torch.nn.Module):
 
     @torch.compiler.disable
     def _compile(self) -> None:
-        self._compiled = compile(self.spec, self.arch)
+        from .driver import compile as _driver_compile  # the compiler side, imported on first use
+
+        self._compiled = _driver_compile(self.spec, self.arch)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         mg1 = getattr(self.w1, "main_grad", None) if self.main_grad else None
@@ -991,52 +993,3 @@ class MoE(torch.nn.Module):
         c = self.cfg
         return (f"name={getattr(self.spec, 'name', '?')}, H={c.hidden}, I={c.ffn}, groups={c.groups} "
                 f"({c.local_experts} local + {c.shared_experts} shared), topk={c.topk}, bias={c.bias}")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# compile
-
-_COMPILED: dict[str, CompiledMoE] = {}
-
-
-def _dsl_available() -> bool:
-    return importlib.util.find_spec("cutlass") is not None
-
-
-def compile(spec: Any, arch: str | None = None, force: bool = False,
-            overrides: Mapping[str, Any] | None = None) -> CompiledMoE:
-    """spec (a Spec, preset name, YAML path or mapping) -> load_spec -> plan.solve -> emit.emit ->
-    cache.get_or_build (build.build on a miss) -> :class:`CompiledMoE` (one per cache entry per process).
-
-    ``arch``: as :func:`mokgen.build.resolve_arch` (argument, ``$MOKGEN_ARCH``, the visible GPU). Without the
-    CuTe DSL a cached (or unpacked) entry is still loaded; a miss raises an error saying what to install.
-    ``force=True`` rebuilds (needs the DSL). ``overrides``: plan choices passed to :func:`mokgen.plan.solve`
-    (e.g. ``{"schedule": "chain"}``; how ``mokgen tune`` and the benchmark try alternatives).
-    """
-    from .spec import Spec, load_spec
-
-    if not isinstance(spec, Spec):
-        spec = load_spec(spec)
-    build_mod = importlib.import_module("mokgen.build")
-    arch = build_mod.resolve_arch(arch)
-    plan_mod = importlib.import_module("mokgen.plan")
-    emit_mod = importlib.import_module("mokgen.emit")
-    cache_mod = importlib.import_module("mokgen.cache")
-    plan = plan_mod.solve(spec, arch, **dict(overrides or {}))
-    sources = emit_mod.emit(plan)
-    if _dsl_available():
-        art = cache_mod.get_or_build(sources, arch, force=force)
-        entry = Path(getattr(art, "dir", art))
-    else:
-        entry = None if force else cache_mod.find(sources, arch)
-        if entry is None:
-            what = "force=True needs" if force else f"no cached kernels for {spec.name!r} on {arch}, and building needs"
-            raise RuntimeError(
-                f"mokgen: {what} the CuTe DSL compiler, which is not installed: pip install 'mokgen[compiler]', "
-                "or unpack a prebuilt cache (mokgen cache unpack) into $MOKGEN_CACHE_DIR")
-        entry = Path(entry)
-    key = str(entry.resolve())
-    moe = None if force else _COMPILED.get(key)
-    if moe is None:
-        moe = _COMPILED[key] = CompiledMoE(spec, plan, entry, arch=arch)
-    return moe

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import sympy as sp
 
+from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
 from .spec import Spec
 
 __all__ = [
@@ -26,28 +27,6 @@ __all__ = [
 
 class PlanError(ValueError):
     """No valid plan (or an invalid override); the message is one line starting with the field path."""
-
-
-@dataclass(frozen=True)
-class Arch:
-    name: str
-    sms: int
-    smem_per_cta: int  # bytes of shared memory one CTA can use
-    regs_per_sm: int
-    max_threads: int  # per CTA
-    has_wgmma: bool
-    has_tcgen05: bool
-    peak_bf16_tflops: float  # dense bf16 tensor-core rate a well-tuned GEMM reaches
-    hbm_tbps: float
-    l2_bytes: int
-
-
-ARCHS = {
-    # peak: the CuTe DSL dense GEMM measured on our H200; hbm: measured copy bandwidth.
-    "sm_90a": Arch("sm_90a", 132, 232448 - 1024, 65536, 1024, True, False, 811.0, 4.27, 50 * 2**20),
-    # B200 datasheet figures, until we can measure one.
-    "sm_100a": Arch("sm_100a", 148, 232448 - 1024, 65536, 1024, False, True, 2250.0, 8.0, 126 * 2**20),
-}
 
 
 def get_arch(name: str) -> Arch:
@@ -538,14 +517,15 @@ def _routing_tile(g1: GemmPlan, g2: GemmPlan) -> tuple[GemmPlan, GemmPlan]:
     return dataclasses.replace(g1, bm=bm), dataclasses.replace(g2, bm=bm)
 
 
-def parse_overrides(text: str) -> dict[str, Any]:
-    """``"k=v,k=v"`` (or ``+``-joined) -> plan overrides for :func:`solve`, integer values converted (how the
-    benchmark's ``--variants`` and the tools name a plan)."""
+def parse_overrides(text: str, what: str = "plan") -> dict[str, Any]:
+    """``"k=v,k=v"`` (or ``+``-joined) -> plan overrides for :func:`solve`, integer values converted: the one
+    KEY=VALUE parser (the CLI's ``--set``, the benchmark's ``--variants``, the tools' plan names). ``what`` names
+    the source in the error message."""
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.replace("+", ",").split(","))):
         key, sep, value = part.partition("=")
-        if not sep or not key:
-            raise PlanError(f"plan: expected KEY=VALUE, got {part!r}")
+        if not sep or not key.strip():
+            raise PlanError(f"{what}: expected KEY=VALUE, got {part!r}")
         out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     return out
 

@@ -19,9 +19,11 @@ from typing import Any, Mapping
 
 import yaml
 
+from .arch import ARCH_NAMES, ARCHS
+
 __all__ = ["Spec", "SpecError", "load_spec", "list_presets", "KNOWN_ARCHS", "K_BLOCK", "MAX_TOKENS"]
 
-KNOWN_ARCHS = ("sm_90a", "sm_100a")
+KNOWN_ARCHS = ARCH_NAMES  # mokgen.arch is the one arch table
 DTYPES = ("bf16",)
 RESERVED_DTYPES = ("fp8", "mxfp8")
 ACTIVATIONS = ("swiglu", "swiglu_oai")
@@ -30,6 +32,23 @@ OAI_SWIGLU_LIMIT = 7.0
 K_BLOCK = 64  # the kernels' K tile: hidden and ffn must be multiples of it
 MAX_TOKENS = 1 << 20
 MAX_SHARED_EXPERTS = 4
+# Upper bounds, each from what the kernels or the device support (the error message says which):
+# the combine (and gather) kernels give each of their 128 threads hidden/1024 16-byte vectors, unrolled at
+# compile time, and combine keeps hidden/128 fp32 sums per thread in registers: 16384 -> 128 of a thread's 255
+# registers. Above that they spill and their compile time grows without bound (hidden 67108864 never finished).
+MAX_HIDDEN = 16384
+# combine and the fused kernel unroll a token's K + S slots at compile time.
+MAX_TOPK = 64
+# topk_idx holds int32 expert ids.
+MAX_EXPERTS = (1 << 31) - 1
+MAX_NAME = 64  # the name is written into file headers, cache metadata and tables
+# bf16's largest finite value: a larger clamp never clamps
+MAX_SWIGLU_LIMIT = 3.3895313892515355e38
+# The routing kernel keeps per-CTA int32 counters in shared memory: count[G], start[G+1], before[E],
+# wcount[32 warps * E], bad[1] = 35 E + 2 S + 2 words (templates/sm90/routing.py.j2), plus alignment slack.
+_ROUTING_SMEM_WORDS_PER_EXPERT = 35
+_ROUTING_SMEM_SLACK_WORDS = 64
+_WORKSPACE_BM = 128  # the routing tile the device-memory estimate pads groups to
 REQUIRED = ("hidden", "ffn", "experts", "topk", "tokens")
 DEFAULT_NAME = "custom"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -128,13 +147,39 @@ def _looks_like_path(s: str) -> bool:
     return s.endswith((".yaml", ".yml")) or os.sep in s or "/" in s
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (YAML says keys are unique; PyYAML
+    would silently keep the last one)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # reported by the base class
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load_file(path: Path) -> Spec:
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise SpecError(f"spec: {path} is a directory; expected a .yaml file") from None
     except OSError as e:
         raise SpecError(f"spec: cannot read {path}: {e.strerror or e}") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"spec: {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                        "save it as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
@@ -194,13 +239,22 @@ def _check(spec: Spec) -> None:
     """Validate every field of `spec` and normalize archs / swiglu_limit in place (frozen: via object.__setattr__)."""
     if not isinstance(spec.name, str) or not _NAME_RE.fullmatch(spec.name):
         raise _fail("name", f"must be a non-empty string of letters, digits, '.', '_', '-', got {_describe(spec.name)}")
+    if len(spec.name) > MAX_NAME:
+        raise _fail("name", f"must be at most {MAX_NAME} characters (it goes into file headers and cache "
+                            f"metadata), got {len(spec.name)}")
 
     for field in ("hidden", "ffn"):
         value = _int(spec, field)
         if value <= 0 or value % K_BLOCK:
             raise _fail(field, f"must be a positive multiple of {K_BLOCK}, got {value}")
+    if spec.hidden > MAX_HIDDEN:
+        raise _fail("hidden", f"must be at most {MAX_HIDDEN}, got {spec.hidden}: the combine and gather kernels "
+                              f"unroll hidden/1024 16-byte loads per thread and combine keeps hidden/128 fp32 sums "
+                              f"per thread in registers ({MAX_HIDDEN // 128} at {MAX_HIDDEN}, of 255)")
     if _int(spec, "experts") < 1:
         raise _fail("experts", f"must be >= 1, got {spec.experts}")
+    if spec.experts > MAX_EXPERTS:
+        raise _fail("experts", f"must be at most {MAX_EXPERTS} (topk_idx holds int32 expert ids), got {spec.experts}")
     if _int(spec, "ep") < 1:
         raise _fail("ep", f"must be >= 1, got {spec.ep}")
     if spec.experts % spec.ep:
@@ -208,6 +262,9 @@ def _check(spec: Spec) -> None:
     topk = _int(spec, "topk")
     if not 1 <= topk <= spec.experts:
         raise _fail("topk", f"must be in [1, experts={spec.experts}], got {topk}")
+    if topk > MAX_TOPK:
+        raise _fail("topk", f"must be at most {MAX_TOPK} (combine and the fused kernel unroll a token's slots at "
+                            f"compile time), got {topk}")
     tokens = _int(spec, "tokens")
     if not 1 <= tokens <= MAX_TOKENS:
         raise _fail("tokens", f"must be in [1, {MAX_TOKENS}], got {tokens}")
@@ -229,6 +286,9 @@ def _check(spec: Spec) -> None:
             raise _fail("swiglu_limit", f"must be a number > 0 or null, got {_describe(limit)}")
         if not (math.isfinite(limit) and limit > 0):
             raise _fail("swiglu_limit", f"must be a finite number > 0, got {limit}")
+        if limit > MAX_SWIGLU_LIMIT:
+            raise _fail("swiglu_limit", f"must be at most {MAX_SWIGLU_LIMIT:.6g} (bf16's largest value: a larger "
+                                        f"clamp never clamps), got {limit:g}")
         limit = float(limit)
     if activation == "swiglu_oai":
         if limit is not None and limit != OAI_SWIGLU_LIMIT:
@@ -249,3 +309,37 @@ def _check(spec: Spec) -> None:
         if arch in archs[:i]:
             raise _fail(f"archs[{i}]", f"duplicate arch '{arch}'")
     object.__setattr__(spec, "archs", tuple(archs))
+    _check_device_bounds(spec)
+
+
+def device_bytes(spec: Spec) -> tuple[int, int]:
+    """(expert weights, forward workspace + x + y at ``spec.tokens``) in bytes, groups padded to 128 rows."""
+    H, I, G = spec.hidden, spec.ffn, spec.groups
+    weights = G * 3 * H * I * 2 + (G * (2 * I + H) * 4 if spec.bias else 0)
+    rows = spec.tokens * (spec.topk + spec.shared_experts) + G * (_WORKSPACE_BM - 1)
+    rows = (rows + _WORKSPACE_BM - 1) // _WORKSPACE_BM * _WORKSPACE_BM
+    work = rows * (2 * H + 2 * I + 8) + spec.tokens * (4 * H + 4 * (spec.topk + spec.shared_experts))
+    return weights, work
+
+
+def _check_device_bounds(spec: Spec) -> None:
+    """Bounds that depend on the target GPUs: the routing kernel's shared memory bounds the local experts, and
+    one rank's weights plus the forward workspace must fit in the memory of the largest GPU of each arch."""
+    for name in spec.archs:
+        a = ARCHS[name]
+        words = a.smem_per_cta // 4 - 2 * spec.shared_experts - 2 - _ROUTING_SMEM_SLACK_WORDS
+        most = words // _ROUTING_SMEM_WORDS_PER_EXPERT
+        if spec.local_experts > most:
+            raise _fail("ep", f"experts per rank (experts/ep = {spec.local_experts}) must be at most {most} on "
+                              f"{name}: the routing kernel keeps {_ROUTING_SMEM_WORDS_PER_EXPERT} int32 counters per "
+                              f"local expert in its {a.smem_per_cta} bytes of shared memory; raise ep")
+        weights, work = device_bytes(spec)
+        if weights + work > a.device_bytes:
+            per_ffn = weights / spec.ffn
+            fit = int(max(0, a.device_bytes - work) // per_ffn) // K_BLOCK * K_BLOCK
+            gb = 1e9
+            raise _fail("ffn" if weights >= work else "tokens",
+                        f"the layer needs {weights / gb:.1f} GB of expert weights and {work / gb:.1f} GB of "
+                        f"workspace at tokens={spec.tokens}, more than the {a.device_bytes / gb:.0f} GB of the "
+                        f"largest {name} GPU" + (f"; at most ffn={fit} fits" if weights >= work and fit else "")
+                        + "; reduce ffn, hidden, tokens or the experts per rank (raise ep)")

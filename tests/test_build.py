@@ -170,8 +170,12 @@ def test_sm100a(tmp_path: Path) -> None:
 def test_get_or_build_with_real_build(mokgen_cache: Path) -> None:
     s = ToySources(spec={"name": "toy"}, plan={"bm": 128}, template_hash="toy-1",
                    files={"scale.py": toy("scale"), "toy_common.py": "FACTOR = 2.0\n"})
-    art = cache.get_or_build(s, "sm_90a", jobs=1)
+    from mokgen import driver
+
+    art = driver.get_or_build(s, "sm_90a", jobs=1)
+    assert art.status == "built" and art.note.startswith("built in ")
     assert art.dir == cache.entry_dir(cache.key_for(s, "sm_90a"), "sm_90a")
+    assert cache.verify() and all(e.ok for e in cache.verify())  # every artifact hashed, verified strictly
     assert (art.dir / "meta.json").exists() and art.lib.exists() and (art.dir / "scale.ptx").exists()
     assert art.meta["spec_name"] == "toy" and art.meta["template_hash"] == "toy-1"
     assert not cache.build_dir(art.key, "sm_90a").exists()  # the build dir is gone once stored
@@ -179,7 +183,8 @@ def test_get_or_build_with_real_build(mokgen_cache: Path) -> None:
     def no(*a: Any) -> Any:
         raise AssertionError("cached: must not build")
 
-    assert cache.get_or_build(s, "sm_90a", no).dir == art.dir
+    hit = cache.get_or_build(s, "sm_90a", no)
+    assert hit.dir == art.dir and hit.status == "cached"
     assert build.ptx_report(art.dir)["scale"]["target"] is True
 
 

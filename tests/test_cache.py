@@ -140,7 +140,9 @@ def test_store_and_lookup(mokgen_cache: Path, tmp_path: Path) -> None:
     meta = json.loads((entry / "meta.json").read_text())
     assert meta["arch"] == "sm_90a" and meta["key"] == art.key and meta["kernels"] == ["k1", "k2"]
     for f in ("libmokgen.so", "k1.o", "k1.ptx", "k2.ptx", "sources/k1.py"):
-        assert (entry / f).is_file() and meta["files"][f] == (entry / f).stat().st_size
+        assert (entry / f).is_file() and meta["files"][f]["size"] == (entry / f).stat().st_size
+        assert meta["files"][f]["sha256"] == cache.sha256_file(entry / f)
+    assert meta["format"] == cache.META_FORMAT
     assert not list(entry.parent.glob("*.tmp.*"))
     loaded = cache.load_artifacts(entry)
     assert loaded.lib == entry / "libmokgen.so" and loaded.kernels == ("k1", "k2") and loaded.key == art.key
@@ -391,7 +393,7 @@ def test_pack_unpack_round_trip(mokgen_cache: Path, tmp_path: Path, monkeypatch:
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(other))
     assert cache.list_entries() == []
     res = cache.unpack(tar)
-    assert len(res["installed"]) == 2 and res["refused"] == [] and res["present"] == []
+    assert len(res["installed"]) == 2 and res["present"] == [] and res["runtime_status"] == "installed"
     assert cache.lookup(a90.key, "sm_90a") == other.resolve() / "sm_90a" / a90.key[:16]
     assert cache.lookup(a100.key, "sm_100a") is not None
     assert (other / "sm_90a" / a90.key[:16] / "libmokgen.so").read_bytes() == b"\x7fELF fake library"
@@ -400,7 +402,7 @@ def test_pack_unpack_round_trip(mokgen_cache: Path, tmp_path: Path, monkeypatch:
     assert not [p for p in other.iterdir() if p.name.startswith(".unpack")]
     # again: nothing new
     res2 = cache.unpack(tar)
-    assert res2["installed"] == [] and len(res2["present"]) == 2
+    assert res2["installed"] == [] and len(res2["present"]) == 2 and res2["runtime_status"] == "present"
 
 
 def test_unpack_refuses_bad_entries(mokgen_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -422,12 +424,13 @@ def test_unpack_refuses_bad_entries(mokgen_cache: Path, tmp_path: Path, monkeypa
         tf.add(bad_entry, arcname=f"sm_90a/{bad.key[:16]}")
         tf.add(moved, arcname=f"sm_90a/{wrong_entry.name}")
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "fresh"))
-    res = cache.unpack(tar)
-    assert [p.name for p in res["installed"]] == [good.key[:16]]
-    reasons = dict(res["refused"])
-    assert "bytes" in reasons[f"sm_90a/{bad.key[:16]}"]
-    assert "sm_100a" in reasons[f"sm_90a/{wrong_entry.name}"]
-    assert cache.lookup(bad.key, "sm_90a") is None
+    # all or nothing: the good entry is not installed either, and nothing is written
+    with pytest.raises(CacheError, match=r"refused, nothing installed") as ei:
+        cache.unpack(tar)
+    msg = str(ei.value)
+    assert "no MANIFEST.json" in msg and f"sm_90a/{bad.key[:16]}/libmokgen.so does not match" in msg
+    assert "says arch sm_100a" in msg
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_unpack_rejects_unsafe_and_garbage(mokgen_cache: Path, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mokgen import cache, emit, plan  # noqa: E402
+from mokgen import driver, emit, plan  # noqa: E402
 from mokgen.cli import main as cli_main  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
             ov = {} if v == "default" else parse_overrides(v)
             t0 = time.time()
             src = emit.emit(plan.solve(spec, "sm_90a", **ov))
-            art = cache.get_or_build(src, "sm_90a")
+            art = driver.get_or_build(src, "sm_90a")
             print(f"{s}@{v}: {Path(getattr(art, 'dir', art)).name} ({time.time() - t0:.0f} s)", flush=True)
     return cli_main(["cache", "pack", out, "--arch", "sm_90a"])
 

@@ -1,0 +1,215 @@
+"""The driver: spec -> plan -> emit -> cache / build -> loaded kernels (:class:`mokgen.ops.CompiledMoE`).
+
+This is the one place that ties the compiler (``mokgen.plan``, ``mokgen.emit``, ``mokgen.build``: imported on
+first use) to the runtime (``mokgen.ops``, which imports none of them). The API (:func:`compile`, also
+``mokgen.compile``) and the command line (``mokgen compile``) resolve entries through the same function,
+:func:`resolve`, so they find the same entries:
+
+* where the CuTe DSL compiler is installed: the cache entry of the exact key, built (and stored) on a miss,
+  rebuilt when damaged;
+* where it is not (a GPU host loading packed caches): the exact key, else an entry with the same content
+  (arch, tvm-ffi, templates, spec, plan) that another host compiled; a miss says exactly what is missing, a
+  damaged entry is refused, the runtime library a pack installed is verified (sha256, DSL version).
+
+:func:`load_entry` loads a cache entry directory from its ``meta.json`` alone (no plan solver, no compiler).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import cache
+from .arch import resolve_arch
+
+__all__ = ["CompilerMissingError", "compile", "resolve", "get_or_build", "load_entry", "prepare"]
+
+_COMPILED: dict[str, Any] = {}
+
+
+class CompilerMissingError(cache.CacheError):
+    """Kernels are needed that are not in the cache, and the CuTe DSL compiler is not installed."""
+
+
+def _dsl_available() -> bool:
+    return cache._compiler_available()
+
+
+def _as_spec(spec: Any) -> Any:
+    from .spec import Spec, load_spec
+
+    return spec if isinstance(spec, Spec) else load_spec(spec)
+
+
+def _overrides(overrides: Any) -> dict[str, Any]:
+    """Plan overrides from a mapping or a ``"k=v,k=v"`` string (:func:`mokgen.plan.parse_overrides`)."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, str):
+        return importlib.import_module("mokgen.plan").parse_overrides(overrides, what="overrides")
+    return dict(overrides)
+
+
+def prepare(spec: Any, arch: str | None = None, overrides: Any = None) -> tuple[Any, str, Any, Any]:
+    """``(spec, arch, plan, sources)``: load_spec -> resolve_arch -> plan.solve -> emit.emit."""
+    spec = _as_spec(spec)
+    arch = resolve_arch(arch)
+    plan = importlib.import_module("mokgen.plan").solve(spec, arch, **_overrides(overrides))
+    sources = importlib.import_module("mokgen.emit").emit(plan)
+    return spec, arch, plan, sources
+
+
+def get_or_build(sources: Any, arch: str, *, force: bool = False, jobs: int | None = None, progress: bool = True,
+                 timeout: float | None = None) -> cache.Artifacts:
+    """:func:`mokgen.cache.get_or_build` with :func:`mokgen.build.build` as the build function."""
+    build = importlib.import_module("mokgen.build")
+    build.check_jobs(jobs)
+
+    def build_fn(s: Any, a: str, d: Path) -> Any:
+        return build.build(s, a, d, jobs=jobs, progress=progress)
+
+    return cache.get_or_build(sources, arch, build_fn, force=force, timeout=timeout, progress=progress)
+
+
+def _spec_name(sources: Any) -> str:
+    _th, spec, _plan, _files = cache._parts(sources)
+    if isinstance(spec, Mapping):
+        return str(spec.get("name", "?"))
+    return str(getattr(spec, "name", spec) or "?")
+
+
+def _missing_message(sources: Any, arch: str, force: bool) -> str:
+    """What a host without the compiler lacks to load ``sources``: one line, with what to do."""
+    name = _spec_name(sources)
+    fix = ("pip install 'mokgen[compiler]' (the CuTe DSL compiler), or build it on a host that has it and carry "
+           "it here: mokgen cache pack / mokgen cache unpack")
+    if force:
+        return f"rebuilding {name!r} for {arch} (force) needs the CuTe DSL compiler, which is not installed: {fix}"
+    root = cache.cache_root()
+    key, ckey = cache.key_for(sources, arch), cache.content_key_for(sources, arch)
+    try:
+        entries = cache.scan_entries(arch)
+    except cache.CacheError:
+        entries = []
+    same = [e for e in entries if e.spec_name == name]
+    damaged = [e for e in entries if not e.ok]
+    th, _spec, plan, _files = cache._parts(sources)
+    why = ""
+    if same:
+        e = same[0]
+        diffs = []
+        if e.meta.get("template_hash") != th:
+            diffs.append(f"templates {str(e.meta.get('template_hash'))[:12]} vs {str(th)[:12]} here")
+        if plan is not None and e.meta.get("plan") != cache.to_plain(plan):
+            diffs.append("another plan (other overrides or another mokgen version)")
+        tvm_e = (e.meta.get("dsl_versions") or {}).get(cache._TVM_FFI)
+        tvm_here = cache.dsl_versions().get(cache._TVM_FFI)
+        if tvm_e != tvm_here:
+            diffs.append(f"apache-tvm-ffi {tvm_e} vs {tvm_here} here")
+        why = (f"; the {len(same)} {arch} entr{'y' if len(same) == 1 else 'ies'} for {name!r} there "
+               f"{'was' if len(same) == 1 else 'were'} built from other inputs ({', '.join(diffs) or 'other sources'})")
+    elif damaged:
+        why = f"; {len(damaged)} damaged {arch} entr{'y' if len(damaged) == 1 else 'ies'} there (mokgen cache verify)"
+    return (f"no cached kernels for {name!r} on {arch} in {root} (key {key[:16]}, content key {ckey[:16]}){why}, "
+            f"and building needs the CuTe DSL compiler, which is not installed: {fix}")
+
+
+def _check_runtime_for(art: cache.Artifacts) -> None:
+    """On a host without the compiler: the runtime library ``mokgen.ops`` will load is there, matches its
+    sha256 and belongs to the CuTe DSL version the entry was built with."""
+    if os.environ.get("MOKGEN_RUNTIME_LIB"):
+        return  # an explicit choice (mokgen.ops checks that it is a file)
+    rt = cache.runtime_dir() / cache.RUNTIME_LIB
+    if not rt.exists():
+        raise CompilerMissingError(
+            f"no {cache.RUNTIME_LIB} to load {art.dir} with: the CuTe DSL is not installed and {rt.parent} has "
+            "none; unpack a pack (it ships the runtime library), pip install 'mokgen[compiler]', or set "
+            f"MOKGEN_RUNTIME_LIB=/path/to/{cache.RUNTIME_LIB}")
+    why = cache.check_runtime(rt)
+    if why:
+        raise cache.DamagedEntryError(f"the CuTe DSL runtime library will not be loaded: {why}", rt, why)
+    have = cache.runtime_versions()
+    want = cache._dsl_only(art.meta.get("dsl_versions"))
+    if have and want and have != want:
+        raise cache.CacheError(
+            f"{art.dir} was built with CuTe DSL {want.get(cache._DSL_PREFIX)} but the runtime library in {rt.parent} "
+            f"is {have.get(cache._DSL_PREFIX)}; unpack a pack built with one version (mokgen cache pack on the "
+            "build host)")
+
+
+def resolve(sources: Any, arch: str, *, force: bool = False, jobs: int | None = None, progress: bool = True,
+            timeout: float | None = None) -> cache.Artifacts:
+    """The verified cache entry (:class:`mokgen.cache.Artifacts`, ``status``/``note`` say how it was found)
+    of ``sources`` on ``arch``: built where the compiler is, found (by key or by content) where it is not."""
+    if _dsl_available():
+        return get_or_build(sources, arch, force=force, jobs=jobs, progress=progress, timeout=timeout)
+    if force:
+        raise CompilerMissingError(_missing_message(sources, arch, True))
+    entry = cache.find(sources, arch, compiler=False)  # a damaged entry raises DamagedEntryError
+    if entry is None:
+        raise CompilerMissingError(_missing_message(sources, arch, False))
+    exact = entry == cache.entry_dir(cache.key_for(sources, arch), arch)
+    art = cache.load_artifacts(entry, status="cached",
+                               note="cached" if exact else "cached (built on another host: found by content)")
+    _check_runtime_for(art)
+    return art
+
+
+def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: Any = None) -> Any:
+    """spec (a Spec, preset name, YAML path or mapping) -> load_spec -> plan.solve -> emit.emit ->
+    :func:`resolve` (cache / build, verified) -> :class:`mokgen.ops.CompiledMoE` (one per cache entry per
+    process).
+
+    ``arch``: as :func:`mokgen.arch.resolve_arch` (argument, ``$MOKGEN_ARCH``, the visible GPU). Without the
+    CuTe DSL a cached (or unpacked) entry is still loaded; a miss raises :class:`CompilerMissingError` saying
+    what is missing. ``force=True`` rebuilds (needs the DSL). ``overrides``: plan choices passed to
+    :func:`mokgen.plan.solve` (a mapping, or ``"k=v,k=v"``; e.g. ``{"schedule": "chain"}``).
+    """
+    spec, arch, plan, sources = prepare(spec, arch, overrides)
+    art = resolve(sources, arch, force=force)
+    key = str(Path(art.dir).resolve())
+    moe = None if force else _COMPILED.get(key)
+    if moe is None:
+        from .ops import CompiledMoE
+
+        moe = _COMPILED[key] = CompiledMoE(spec, plan, Path(art.dir), arch=arch)
+    return moe
+
+
+class _PlanView:
+    """Attribute access to a plan's ``to_dict()`` (from ``meta.json``): what the runtime reads of a plan
+    (``bm``, ``schedule``, ``gemm1.a_load``, ...) without the plan module (and its solver)."""
+
+    def __init__(self, data: Mapping[str, Any]):
+        object.__setattr__(self, "_data", dict(data))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            v = self._data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        return _PlanView(v) if isinstance(v, Mapping) else v
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._data)
+
+    def __repr__(self) -> str:
+        return f"_PlanView({self._data!r})"
+
+
+def load_entry(path: str | os.PathLike, *, functions: Mapping[str, Any] | None = None) -> Any:
+    """A :class:`mokgen.ops.CompiledMoE` for the cache entry directory ``path``, from its ``meta.json``
+    alone: verified (every file's sha256), no plan solver, no emit, no compiler imported."""
+    art = cache.load_artifacts(path, status="cached")
+    if not _dsl_available():
+        _check_runtime_for(art)
+    meta = art.meta
+    if not isinstance(meta.get("spec"), Mapping) or not isinstance(meta.get("plan"), Mapping):
+        raise cache.CacheError(f"{path}/meta.json records no spec and plan (an entry built outside mokgen.emit)")
+    from .ops import CompiledMoE
+    from .spec import Spec
+
+    spec = Spec.from_dict(meta["spec"])
+    return CompiledMoE(spec, _PlanView(meta["plan"]), Path(art.dir), arch=art.arch, functions=functions)
