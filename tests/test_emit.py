@@ -43,9 +43,9 @@ def test_emit_is_deterministic_and_headed(name):
         assert th in lines[1] and lines[2].startswith("# spec: ") and lines[3].startswith("# plan: ")
         assert f'KERNEL_NAME = "{fname[:-3]}"' in text
         compile(text, fname, "exec")  # valid Python
-    expected = {"routing.py", "gemm1.py", "gemm2.py", "combine.py"}
-    if plan.gemm1.a_load == "tma":
-        expected.add("gather.py")
+    # the forward's kernels, and the training kernels (gather serves the backward's dO and x rows too)
+    expected = {"routing.py", "gemm1.py", "gemm2.py", "combine.py", "gather.py", "gemm1_train.py", "dgrad1.py",
+                "dgrad2.py", "wgrad1.py", "wgrad2.py", "wgrad1_acc.py", "wgrad2_acc.py"}
     assert set(a.files) == expected
 
 
@@ -59,7 +59,7 @@ def test_emit_follows_the_plan():
     # 128-row groups: GEMM 1 reads rows gathered by the gather kernel, by TMA
     assert "gather.py" in emit(plan).files and "A_GATHER = False" in g1 and "A_ROWS = False" in g1
     fused_gather = emit(solve(spec, "sm_90a", gemm1_a_load="gather"))
-    assert "gather.py" not in fused_gather.files and "A_GATHER = True" in fused_gather.files["gemm1.py"]
+    assert "A_GATHER = True" in fused_gather.files["gemm1.py"]  # (gather.py: the backward's row gathers)
     concat = emit(solve(load_spec("deepseek-v4-pro"), "sm_90a")).files["gemm1.py"]
     assert "N_STRIDE = 7168" in concat and f"P_STRIDE = {3072 * 7168}" in concat and "ACT_LIMIT = 10.0" in concat
 
@@ -74,9 +74,17 @@ def test_emit_rejects_what_it_cannot_render():
         emit(bad)
 
 
-def _compile_all(sources, tmp_path):
+def _compile_all(sources, tmp_path, training=False):
+    """Build `sources` (the forward's kernels only unless `training`: the variant tests are about the forward,
+    and CI's 2 cores build the training kernels once per preset, in test_preset_kernels_compile_for_sm90a)."""
     from mokgen import build
+    from mokgen.ops import TRAIN_KERNELS
 
+    if not training:
+        drop = {f"{k}.py" for k in TRAIN_KERNELS}
+        if sources.plan.gemm1.a_load != "tma":
+            drop.add("gather.py")
+        sources = dataclasses.replace(sources, files={n: t for n, t in sources.files.items() if n not in drop})
     return build.build(sources, "sm_90a", tmp_path, progress=False)
 
 
@@ -88,9 +96,9 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
     from mokgen import build
 
     plan = solve(load_spec(name), "sm_90a")
-    art = _compile_all(emit(plan), tmp_path)
+    art = _compile_all(emit(plan), tmp_path, training=True)
     report = build.ptx_report(art)
-    for k in ("gemm1", "gemm2"):
+    for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc"):
         assert report[k]["wgmma.mma_async"] and report[k]["cp.async.bulk.tensor"] and report[k]["mbarrier"], (k, report[k])
     ptx = (Path(art.dir) / "gemm1.ptx").read_text()
     assert ".target sm_90a" in ptx and "setmaxnreg" in ptx and "stmatrix" in ptx
@@ -141,7 +149,7 @@ def test_tma_rows_compiles(name, overrides, tmp_path):
     pytest.importorskip("cutlass")
     plan = solve(load_spec(name), "sm_90a", gemm1_a_load="tma_rows", **overrides)
     src = emit(plan)
-    assert "gather.py" not in src.files and "A_ROWS = True" in src.files["gemm1.py"]
+    assert "A_ROWS = True" in src.files["gemm1.py"]
     art = _compile_all(src, tmp_path)
     ptx = (Path(art.dir) / "gemm1.ptx").read_text()
     assert "cp.async.cg.shared.global" not in ptx and "shfl.sync.idx" in ptx
