@@ -69,7 +69,8 @@ def have_gcc() -> bool:
 
 _FAKE_KERNELS_C = "".join(
     f"int __tvm_ffi_{n}(void* self, const void* args, int num_args, void* result) {{ return 0; }}\n"
-    for n in ("routing", "gather", "gemm1", "gemm2", "combine", "fused"))
+    for n in ("routing", "gather", "gemm1", "gemm2", "combine", "fused", "gemm1_train", "dgrad1", "dgrad2", "wgrad1",
+              "wgrad2", "wgrad1_acc", "wgrad2_acc"))
 
 
 def gcc_fake_libs(d: Path) -> tuple[Path, Path]:

@@ -53,7 +53,8 @@ def test_cli_without_compiler_finds_what_the_api_finds(mokgen_cache: Path, tmp_p
     assert art.dir == entry and "found by content" in art.note
     assert main(["compile", "qwen3-30b-a3b", "--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("qwen3-30b-a3b sm_90a: 5 kernel(s), cached (built on another host: found by content)")
+    assert out[0].startswith(f"qwen3-30b-a3b sm_90a: {len(sources.kernels)} kernel(s), cached (built on another host: "
+                             "found by content)")
     assert out[1] == f"entry: {entry}"
 
 
@@ -140,7 +141,9 @@ def test_runtime_loads_an_entry_without_cutlass_and_sympy(mokgen_cache: Path, tm
 import mokgen.ops
 from mokgen import driver
 moe = driver.load_entry({str(entry)!r})
-assert set(moe._fns) == set(moe.kernels) == {{"routing", "gather", "gemm1", "gemm2", "combine"}}, moe.kernels
+assert set(moe._fns) == set(moe.kernels) == {{"routing", "gather", "gemm1", "gemm2", "combine", "gemm1_train",
+                                             "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc"}}
+assert moe.trainable, moe.kernels
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl")
              or m in ("mokgen.plan", "mokgen.emit", "mokgen.build")) 
 assert not [m for m in bad if sys.modules[m] is not None], bad
@@ -151,7 +154,7 @@ print("loaded", moe.name, len(moe.kernels))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == "loaded qwen3-30b-a3b 5"
+    assert r.stdout.strip() == "loaded qwen3-30b-a3b 12"
     # damaged: refused, in the same setting
     b = bytearray((entry / "libmokgen.so").read_bytes())
     b[100] ^= 1
