@@ -14,17 +14,14 @@ from typing import Any
 
 import jinja2
 
+from . import kernels
 from .plan import L2_HINTS, Plan
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 if not TEMPLATE_DIR.is_dir():  # source checkout: templates/ sits beside the package
     TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 
-# Producer / consumer register budgets for the warp-specialized GEMM (setmaxnreg; 128*P + 256*C <= 65536).
-_REGS = {"tma": (40, 232), "gather": (56, 224)}
 _SMEM_BARRIERS = 1024
-_EPI_STAGES = 2
-_EPI_N = 32
 
 
 class EmitError(ValueError):
@@ -58,8 +55,15 @@ class Sources:
         return written
 
 
+def _block(text: str, width: int) -> str:
+    """The `block` filter: a rendered block (templates/sm90/_blocks.py.j2) indented by `width` spaces, its
+    trailing newline dropped (the line that calls it supplies one)."""
+    pad = " " * width
+    return "\n".join(pad + line if line.strip() else "" for line in str(text).rstrip("\n").split("\n"))
+
+
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -67,6 +71,8 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.filters["block"] = _block
+    return env
 
 
 def template_hash() -> str:
@@ -100,10 +106,11 @@ def _activation(spec: Any) -> tuple[str, float | None]:
     return "swiglu", (float(spec.swiglu_limit) if spec.swiglu_limit is not None else None)
 
 
-# Variants measured with tools/kernel_check.py before they become plan choices (emit(plan, experimental=...)).
-# Defaults measured faster on the H200 (bench/NOTES.md v2): GEMM 1 as one m64n(2*BN) wgmma over gate and up,
-# and the row gather signalled by cp.async.mbarrier.arrive.noinc. The experiments turn the older forms back on.
-EXPERIMENTS = ("gemm1_two_mma", "gemm1_gather_lag", "fused_profile", "fused_epi_tma", "epi_buffers4", "epi_n64")
+# Instrumentation that is not a plan choice (emit(plan, experimental=...)): "fused_profile" makes the fused
+# kernel record per-CTA phase times (tools/kernel_check.py). Variants measured slower have left the templates
+# (their numbers stay in bench/NOTES.md): GEMM 1 as two wgmma per k-block, the lagged gather signal, the fused
+# kernel's st.global G2 epilogue. Choices that measured even are plan fields (epi_n, epi_stages).
+EXPERIMENTS = ("fused_profile",)
 
 
 def _w1_strides(spec: Any) -> tuple[int, int]:
@@ -120,7 +127,7 @@ def _check_smem(plan: Plan, smem: int, what: str) -> None:
         raise EmitError(f"{what} need {smem} bytes of shared memory, limit {limit}")
 
 
-def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = (), save_z: bool = False) -> dict[str, Any]:
+def _gemm_params(plan: Plan, which: int, save_z: bool = False) -> dict[str, Any]:
     """Forward GEMM `which` (1: gathered x . W1 with the SwiGLU epilogue, saving z when `save_z`; 2: h . W2 with
     the routing weight)."""
     spec = plan.spec
@@ -131,13 +138,12 @@ def _gemm_params(plan: Plan, which: int, experimental: tuple[str, ...] = (), sav
             raise EmitError(f"plan.gemm1.bn: must be even (gate and up halves), got {g.bn}")
         n_stride, p_stride = _w1_strides(spec)
         return _grouped_params(
-            plan, g, "gemm1", bn=g.bn // 2, n_out=I, k_dim=H, parts=2, n_stride=n_stride, k_stride=1,
-            p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu", save_z=save_z,
-            has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows",
-            single_mma="gemm1_two_mma" not in experimental, experimental=experimental)
+            plan, g, "gemm1_train" if save_z else "gemm1", bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
+            n_stride=n_stride, k_stride=1, p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu",
+            save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows")
     return _grouped_params(
         plan, g, "gemm2", bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
-        g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias), experimental=experimental)
+        g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias))
 
 
 def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
@@ -149,32 +155,33 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
     if name == "dgrad1":
         if I % g.bn:
             raise EmitError(f"plan.backward.dgrad1.bn: {g.bn} must divide ffn {I} (the dSwiGLU epilogue)")
+        if (g.bn // 4) % g.z_chunk:
+            raise EmitError(f"plan.backward.dgrad1.z_chunk: {g.z_chunk} must divide the {g.bn // 4} z pairs a thread "
+                            f"holds")
         return _grouped_params(plan, g, name, bn=g.bn, n_out=I, k_dim=H, parts=1, n_stride=1, k_stride=I,
                                p_stride=H * I, g_stride=H * I, b_mn=True, epilogue="dswiglu")
     return _grouped_params(plan, g, name, bn=g.bn, n_out=H, k_dim=2 * I, parts=1, n_stride=1, k_stride=H,
                            p_stride=2 * I * H, g_stride=2 * I * H, b_mn=True, epilogue="store")
 
 
-def _grouped_params(plan: Plan, g: Any, what: str, *, bn: int, n_out: int, k_dim: int, parts: int, n_stride: int,
-                    k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str, save_z: bool = False,
-                    has_bias: bool = False, a_gather: bool = False, a_rows: bool = False, single_mma: bool = False,
-                    experimental: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The render context of templates/sm90/grouped_gemm.py.j2 for one GEMM plan `g`."""
+def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_dim: int, parts: int,
+                    n_stride: int, k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str,
+                    save_z: bool = False, has_bias: bool = False, a_gather: bool = False,
+                    a_rows: bool = False) -> dict[str, Any]:
+    """The render context of templates/sm90/grouped_gemm.py.j2 for kernel `kernel` of GEMM plan `g`: the
+    problem's strides from the spec, every tile and pipeline choice from the plan."""
     spec = plan.spec
-    producer_regs, consumer_regs = _REGS["gather" if a_gather else "tma"]
-    pingpong = g.consumer == "pingpong"
-    tile_m = g.tile_m  # Plan checks that it divides plan.bm
-    stage_bytes = (tile_m * g.bk + parts * bn * g.bk) * 2
-    epi_n = 64 if "epi_n64" in experimental and bn % 64 == 0 else _EPI_N
-    epi_stages = 4 if "epi_buffers4" in experimental else _EPI_STAGES
-    epi_sets = 2 if pingpong else 1  # ping-pong: each consumer warpgroup has its own epilogue buffers
-    smem = g.stages * stage_bytes + epi_sets * tile_m * epi_n * 2 * epi_stages + _SMEM_BARRIERS
-    _check_smem(plan, smem, f"plan.{what}: {g.stages} stages")
+    producer_regs, consumer_regs = g.regs
+    what = f"plan.{'backward.' if kernel.startswith('dgrad') else ''}{kernel.replace('_train', '')}"
+    _check_smem(plan, g.smem_bytes(parts * bn), f"{what}: {g.stages} stages")
     if k_dim % g.bk:
-        raise EmitError(f"plan.{what}.bk: {g.bk} does not divide K={k_dim}")
+        raise EmitError(f"{what}.bk: {g.bk} does not divide K={k_dim}")
+    if bn % g.epi_n:
+        raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
     activation, act_limit = _activation(spec)
     z_n, z_p = (s // spec.hidden for s in _w1_strides(spec))
     return dict(
+        **_table(kernel),
         n_out=n_out,
         k_dim=k_dim,
         groups=spec.groups,
@@ -189,27 +196,25 @@ def _grouped_params(plan: Plan, g: Any, what: str, *, bn: int, n_out: int, k_dim
         z_n=z_n,
         z_p=z_p,
         has_bias=has_bias,
-        bm=tile_m,
+        bm=g.tile_m,
         group_m=plan.bm,
-        pingpong=pingpong,
+        pingpong=g.consumer == "pingpong",
         bn=bn,
         bk=g.bk,
         stages=g.stages,
-        epi_n=epi_n,
-        epi_stages=epi_stages,
-        # panels in units of clusters of tiles: the same rows per panel whatever the tile and cluster
-        raster=max(1, g.raster_group * (plan.bm // tile_m) // g.cluster),
+        epi_n=g.epi_n,
+        epi_stages=g.epi_stages,
+        raster=g.panel_tiles(plan.bm),
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
         a_gather=a_gather,
         a_rows=a_rows,
-        gather_lag=min(2, g.stages - 1),
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
         activation=activation,
         act_limit=act_limit,
-        single_mma=single_mma,
-        gather_noinc=a_gather and "gemm1_gather_lag" not in experimental,
+        single_mma=parts == 2,
+        z_chunk=g.z_chunk,
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],
         w_hint_name=g.w_hint,
@@ -224,7 +229,7 @@ FUSED_TIMEOUT_NS = 2_000_000_000
 FUSED_TOK_PER_TASK = 8
 
 
-def _fused_params(plan: Plan, epi_tma: bool = False) -> dict[str, Any]:
+def _fused_params(plan: Plan) -> dict[str, Any]:
     spec = plan.spec
     g1, g2 = plan.gemm1, plan.gemm2
     H, I = spec.hidden, spec.ffn
@@ -234,18 +239,22 @@ def _fused_params(plan: Plan, epi_tma: bool = False) -> dict[str, Any]:
                         f"{I}), got {g1.bn}/{g2.bn}")
     if g1.bk != g2.bk or H % g1.bk or I % g1.bk:
         raise EmitError(f"plan: the fused kernel needs one bk dividing hidden and ffn, got {g1.bk}/{g2.bk}")
+    if g1.a_load != "gather":
+        raise EmitError(f"plan.gemm1.a_load: the fused kernel gathers its rows itself, got {g1.a_load!r}")
     stages = min(g1.stages, g2.stages)
-    smem = stages * (plan.bm * g1.bk + g2.bn * g1.bk) * 2 + _SMEM_BARRIERS
-    if epi_tma:
-        smem += plan.bm * _EPI_N * 2 * _EPI_STAGES
+    # the stage ring (A tile + one B operand of g2.bn rows), G2's epilogue buffers, the barriers
+    smem = (stages * (plan.bm * g1.bk + g2.bn * g1.bk) * 2 + plan.bm * g2.epi_n * 2 * g2.epi_stages
+            + _SMEM_BARRIERS)
     _check_smem(plan, smem, f"plan: {stages} fused stages")
     n_stride, p_stride = _w1_strides(spec)
     activation, act_limit = _activation(spec)
-    producer_regs, consumer_regs = _REGS["gather"]
+    producer_regs, consumer_regs = g1.regs
     return dict(
+        **_table("fused"),
         hidden=H, ffn=I, groups=spec.groups, topk=spec.topk, slots=spec.topk + spec.shared_experts,
         w1_n_stride=n_stride, w1_p_stride=p_stride, has_bias=bool(spec.bias), bm=plan.bm, bn1=bn1, bk=g1.bk,
         stages=stages, raster=g1.raster_group, chunk_m=max(1, plan.chunk_rows // plan.bm),
+        epi_n=g2.epi_n, epi_stages=g2.epi_stages,
         tok_per_task=FUSED_TOK_PER_TASK, producer_regs=producer_regs, consumer_regs=consumer_regs,
         timeout_ns=FUSED_TIMEOUT_NS, activation=activation, act_limit=act_limit,
     )
@@ -270,26 +279,26 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
 
     fused = plan.schedule == "fused"
     render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
-           shared=spec.shared_experts, bm=plan.bm, zero_sync=fused)
+           shared=spec.shared_experts, bm=plan.bm, zero_sync=fused, **_table(kernels.table_key("routing", fused)))
     if fused:
         render("sm90/fused.py.j2", "fused",
                f"Fused MoE forward of {spec.name}: gathered GEMM 1 + SwiGLU, GEMM 2 + routing weight, combine",
-               **_fused_params(plan, "fused_epi_tma" in experimental),
-               profile="fused_profile" in experimental, epi_tma="fused_epi_tma" in experimental)
+               **_fused_params(plan), profile="fused_profile" in experimental)
         return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
     training = plan.backward is not None
     if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it
-        render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128)
+        render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128,
+               **_table("gather"))
     render("sm90/grouped_gemm.py.j2", "gemm1",
-           f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1, experimental))
+           f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))
     render("sm90/grouped_gemm.py.j2", "gemm2",
-           f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2, experimental))
+           f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2))
     render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
-           slots=spec.topk + spec.shared_experts, threads=128)
+           slots=spec.topk + spec.shared_experts, threads=128, **_table("combine"))
     if training:
         render("sm90/grouped_gemm.py.j2", "gemm1_train",
                f"GEMM 1 of {spec.name} for training: as gemm1, and saves the pre-activation z for the backward",
-               **_gemm_params(plan, 1, experimental, save_z=True))
+               **_gemm_params(plan, 1, save_z=True))
         render("sm90/grouped_gemm.py.j2", "dgrad1",
                f"Backward GEMM dgrad1 of {spec.name}: dO rows x W2 (transposed), dSwiGLU + router-gradient epilogue",
                **_dgrad_params(plan, "dgrad1"))
@@ -310,7 +319,15 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
 
     g = getattr(plan.backward, name)
     m, n, _ = backward_shape(plan.spec, name)
-    producer_regs, consumer_regs = _REGS["tma"]
+    producer_regs, consumer_regs = g.regs
+    if not accumulate:
+        _check_smem(plan, g.smem_bytes(), f"plan.backward.{name}: {g.stages} stages")
     return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
-                stages=g.stages, epi_n=_EPI_N, epi_stages=_EPI_STAGES, raster=g.raster_group, accumulate=accumulate,
-                producer_regs=producer_regs, consumer_regs=consumer_regs)
+                stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
+                accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
+                **_table(name + ("_acc" if accumulate else "")))
+
+
+def _table(kernel: str) -> dict[str, Any]:
+    """A kernel's rows of the argument table (mokgen/kernels.py), for its launch signature and compile()."""
+    return dict(args=kernels.ARGS[kernel], symbols=kernels.SYMBOLS[kernel])

@@ -54,6 +54,14 @@ RASTER_MAX = 8
 # 12-30% less at 16 and more again at 32 once the panel's h rows stop fitting beside the streamed W tiles.
 TALL_RASTER = {1: 32, 2: 16}
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
+# Register split (setmaxnreg; 128 * producer + 256 * consumer <= 65536) by how the producer loads A: the
+# cp.async row gather keeps 8 row addresses per thread in registers, the TMA producers almost nothing.
+REGS = {"gather": (56, 224), "tma": (PRODUCER_REGS, 232), "tma_rows": (PRODUCER_REGS, 232)}
+# Epilogue staging choices (plan.gemm*.epi_n / epi_stages; overrides epi_n, epi_stages): 32-column slices in
+# 2 buffers; 64 columns or 4 buffers measured within 1% on the H200 (bench/NOTES.md v2).
+EPI_NS = (32, 64)
+EPI_STAGE_CHOICES = (2, 4)
+Z_CHUNK = 16
 REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epilogue, SwiGLU): an estimate
 # Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
 # measurements: narrow tiles re-read A more often per flop and keep fewer wgmma in flight.
@@ -73,7 +81,8 @@ A_LOADS = ("tma", "gather", "tma_rows")
 OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
              "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer",
              "w_hint", "gemm1_w_hint", "gemm2_w_hint", "a_hint", "gemm1_a_hint", "gemm2_a_hint",
-             "gemm1_raster_group", "gemm2_raster_group", "dgrad1_consumer", "dgrad2_consumer")
+             "gemm1_raster_group", "gemm2_raster_group", "dgrad1_consumer", "dgrad2_consumer", "epi_n",
+             "epi_stages")
 CLUSTERS = (1, 2)
 # L2 eviction priority of a GEMM's TMA loads (W tiles: w_hint; A tiles loaded by TMA: a_hint), as the 64-bit
 # cache policies of createpolicy.fractional (fraction 1.0): "normal" issues no hint
@@ -189,11 +198,33 @@ class GemmPlan:
     consumer: str = "cooperative"  # see CONSUMERS
     w_hint: str = "normal"  # L2 eviction priority of the W-tile loads (see L2_HINTS)
     a_hint: str = "normal"  # ... of the A-tile loads where TMA reads them (GEMM 2; GEMM 1 with a_load "tma")
+    epi_stages: int = EPI_BUFFERS  # epilogue smem buffers of epi_n columns (per consumer warpgroup in ping-pong)
+    # dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (at most the bn / 4 pairs a
+    # thread holds; more in flight hide more latency, each costs 2 registers)
+    z_chunk: int = Z_CHUNK
 
     @property
     def tile_m(self) -> int:
         """Rows per tile of the persistent loop (and per pipeline stage)."""
         return _tile_m(self.consumer)
+
+    @property
+    def regs(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread (setmaxnreg), by how A is loaded (REGS)."""
+        return REGS[self.a_load]
+
+    def panel_tiles(self, group_m: int) -> int:
+        """Raster panel height in the kernel's work units (tiles of tile_m rows, or cluster pairs of them): the
+        plan's raster_group counts routing tiles of group_m rows, so the panels span the same rows whatever the
+        tile and cluster."""
+        return max(1, self.raster_group * (group_m // self.tile_m) // self.cluster)
+
+    def smem_bytes(self, parts_bn: int | None = None) -> int:
+        """Shared memory of the grouped-GEMM kernel: the stage ring, the epilogue buffers, the barriers."""
+        bn = self.bn if parts_bn is None else parts_bn
+        epi_sets = 2 if self.consumer == "pingpong" else 1
+        return (self.stages * (self.tile_m + bn) * self.bk * ELEM_BYTES
+                + epi_sets * self.tile_m * self.epi_n * ELEM_BYTES * self.epi_stages + BARRIER_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -250,6 +281,8 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int) -> GemmPlan:
         raster_group=_raster_group(arch, k, bn) if k is not None else RASTER_MAX,
         a_load="tma", n_tiles=-(-n // bn), k_tiles=(k // BK) if k is not None else 0,
     )
+    if name == "dgrad1":
+        g = dataclasses.replace(g, z_chunk=min(Z_CHUNK, bn // 4))
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
     return _with_consumer(arch, g, "pingpong") if k is not None and bm < BM else g
 
@@ -636,6 +669,22 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 raise PlanError(f"plan.{key}: GEMM {which} reads A by {gemms[which].a_load!r}, not one TMA box per "
                                 f"tile: no L2 hint to give")
             gemms[which] = dataclasses.replace(gemms[which], **{name: hint})
+    for key, legal in (("epi_n", EPI_NS), ("epi_stages", EPI_STAGE_CHOICES)):
+        if key not in overrides:
+            continue
+        v = _int_override(key, overrides[key])
+        if v not in legal:
+            raise PlanError(f"plan.{key}: must be one of {', '.join(map(str, legal))}, got {v}")
+        if schedule == "fused":
+            raise PlanError(f"plan.{key}: the fused kernel's epilogue staging is fixed (32 columns, 2 buffers)")
+        for which, g in gemms.items():
+            g = dataclasses.replace(g, **{key: v})
+            # more epilogue smem: fewer stages where the ring no longer fits
+            while g.smem_bytes(g.bn) > a.smem_per_cta and g.stages > MIN_STAGES:
+                g = dataclasses.replace(g, stages=g.stages - 1)
+            if g.smem_bytes(g.bn) > a.smem_per_cta:
+                raise PlanError(f"plan.{key}: {v} does not fit GEMM {which}'s shared memory with {MIN_STAGES} stages")
+            gemms[which] = g
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
     plan = _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
     bwd = {}
@@ -667,7 +716,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         bn_rule = f"hidden {n} % {g.bn} = 0"
     stage = _stage_bytes(g.bn, g.consumer)
     fit = _stages_bound(arch, g.bn, g.consumer)
-    used = g.stages * stage + _epi_bytes() + BARRIER_BYTES
+    used = g.smem_bytes()
     r_fit = _raster_bound(arch, k, g.bn)
     waves = c.tiles / arch.sms
     return [
@@ -677,7 +726,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
            f"{GATHER_MIN_GROUP_ROWS}): default {_gemm1_a_load(spec)} (gather = cp.async in GEMM 1's producer, "
            f"tma = gather kernel + TMA)"] if which == 1 else []),
         f"  bn = {g.bn}: {bn_rule}",
-        f"  smem per stage = {STAGE_BYTES} = {stage} B; epilogue {EPI_M}x{EPI_N} x2 buffers = {_epi_bytes()} B; "
+        f"  smem per stage = {STAGE_BYTES} = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
         f"barriers {BARRIER_BYTES} B",
         f"  stages <= {STAGES_FIT} = {float(fit):.2f} -> stages = {g.stages} "
         f"(range [{MIN_STAGES}, {MAX_STAGES}]; {used} of {arch.smem_per_cta} B smem)",

@@ -604,59 +604,58 @@ def ref_wgrad(a, b, group_start, out, num_ctas, *, accumulate: bool = False) -> 
 
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
                       training: bool = False) -> dict[str, Callable[..., None]]:
-    """{kernel name: callable} with the device kernels' exact argument lists (docs/contract.md), the plan's
-    constants bound. A stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant
-    with a ``gather`` kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the
-    fused schedule's two kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and
-    ``fused`` (GEMM 1, GEMM 2 and combine)."""
+    """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
+    from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
+    stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
+    kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the fused schedule's two
+    kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and ``fused`` (GEMM 1,
+    GEMM 2 and combine)."""
+    from .kernels import bind
+
     cfg = layer_config(spec_or_cfg)
-    if fused:
-        def routing_f(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos, sync):
-            ref_routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos,
-                        local_experts=cfg.local_experts, shared_experts=cfg.shared_experts, bm=bm)
+    E, S = cfg.local_experts, cfg.shared_experts
+
+    def routing(idx, weight, row_src, row_w, tile_group, meta, slot_pos, sync=None):
+        ref_routing(idx, weight, row_src, row_w, tile_group, meta, slot_pos, local_experts=E, shared_experts=S, bm=bm)
+        if sync is not None:
             keep = sync[2].clone()
             sync.zero_()
             sync[2] = keep
 
+    if fused:
         def fused_(x, w1, b1, w2, b2, row_src, row_w, tile_group, meta, slot_pos, h, ys, y, sync, num_ctas):
             ref_gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas, cfg=cfg, bm=bm)
             ref_gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas, cfg=cfg, bm=bm)
             ref_combine(ys, slot_pos, y)
 
-        return {"routing": routing_f, "fused": fused_}
+        return {"routing": bind("routing", routing, table="routing_sync"), "fused": bind("fused", fused_)}
 
-    def routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos):
-        ref_routing(topk_idx, topk_weight, row_src, row_w, tile_group, meta, slot_pos,
-                    local_experts=cfg.local_experts, shared_experts=cfg.shared_experts, bm=bm)
+    def gemm1(a, w, bias, row, tile_group, meta, out, num_ctas):
+        ref_gemm1(a, w, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=gather)
 
-    def gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas):
-        ref_gemm1(x, w1, b1, row_src, tile_group, meta, h, num_ctas, cfg=cfg, bm=bm, gathered=gather)
+    def gemm2(a, w, bias, row, tile_group, meta, out, num_ctas):
+        ref_gemm2(a, w, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm)
 
-    def gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas):
-        ref_gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas, cfg=cfg, bm=bm)
-
-    def combine(ys, slot_pos, y):
-        ref_combine(ys, slot_pos, y)
-
-    fns = {"routing": routing, "gemm1": gemm1, "gemm2": gemm2, "combine": combine}
+    impls: dict[str, Callable[..., None]] = {
+        "routing": routing, "gemm1": gemm1, "gemm2": gemm2,
+        "combine": lambda ys, slot_pos, y: ref_combine(ys, slot_pos, y),
+    }
     if gather or training:
-        def gather_(x, row_src, meta, xg):
-            ref_gather(x, row_src, meta, xg, bm=bm)
-
-        fns["gather"] = gather_
+        impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
-        def gemm1_train(x, w1, b1, row_src, tile_group, meta, h, z, num_ctas):
-            ref_gemm1_train(x, w1, b1, row_src, tile_group, meta, h, z, num_ctas, cfg=cfg, bm=bm, gathered=gather)
+        def gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas):
+            ref_gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=gather)
 
-        def dgrad1(dog, w2, b2, row_w, tile_group, meta, sa, z, dz, ds, num_ctas):
-            ref_dgrad1(dog, w2, b2, row_w, tile_group, meta, sa, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
+        def dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas):
+            ref_dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
 
-        def dgrad2(dz, w1, b1, row_w, tile_group, meta, out, num_ctas):
-            ref_dgrad2(dz, w1, b1, row_w, tile_group, meta, out, num_ctas, bm=bm)
+        def dgrad2(a, w, bias, row, tile_group, meta, out, num_ctas):
+            ref_dgrad2(a, w, bias, row, tile_group, meta, out, num_ctas, bm=bm)
 
-        fns.update(gemm1_train=gemm1_train, dgrad1=dgrad1, dgrad2=dgrad2)
+        impls.update(gemm1_train=gemm1_train, dgrad1=dgrad1, dgrad2=dgrad2)
         for name in ("wgrad1", "wgrad2"):
             for acc in (False, True):
-                fns[name + ("_acc" if acc else "")] = (
-                    lambda a, b, gs, out, num_ctas, _acc=acc: ref_wgrad(a, b, gs, out, num_ctas, accumulate=_acc))
-    return fns
+                impls[name + ("_acc" if acc else "")] = (
+                    lambda a, b, group_start, out, num_ctas, _acc=acc:
+                    ref_wgrad(a, b, group_start, out, num_ctas, accumulate=_acc))
+    return {name: bind(name, impl) for name, impl in impls.items()}

@@ -89,11 +89,14 @@ def test_tile_order_matches_reference() -> None:
     consts = [n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
               and n.targets[0].id.isupper() and n.targets[0].id != "KERNEL_NAME"]
     exec(compile(ast.Module(body=consts, type_ignores=[]), "consts", "exec"), ns)
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "tile_coords")
-    fn.decorator_list = []
-    fn.args.args[0].annotation = None
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("raster", "tile_coords")]
+    assert len(fns) == 2  # tile_coords composes the block library's raster
+    for fn in fns:
+        fn.decorator_list = []
+        for a in fn.args.args:
+            a.annotation = None
     ns["cutlass"] = type("C", (), {"min": staticmethod(min)})
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "tile_coords", "exec"), ns)
+    exec(compile(ast.Module(body=fns, type_ignores=[]), "tile_coords", "exec"), ns)
     seen = [ns["tile_coords"](t) for t in range(ns["TOTAL_TILES"])]
     assert len(set(seen)) == ns["TOTAL_TILES"] == 3 * 8 * 5
     assert all(0 <= m < 8 and 0 <= n < 5 for _, m, n in seen)

@@ -3,8 +3,8 @@
     python tools/build_variants.py OUT_DIR SPEC[,SPEC...] VARIANT[,VARIANT...]
 
 Writes OUT_DIR/<spec>@<variant> (``default`` writes OUT_DIR/<spec>). A variant is a '+'-joined list of
-``emit`` experiments (``gemm1_two_mma``, ...) and plan overrides ``key=value`` (``gemm1_a_load=tma``), e.g.
-``gemm1_two_mma+gemm1_a_load=tma``. Short names: twomma, lag, tma, cluster2.
+plan overrides ``key=value`` (``gemm1_a_load=tma``) and ``emit`` instrumentation (``fused_profile``), e.g.
+``schedule=fused+fused_profile``. Short names: tma, cluster2, epi4 (epi_stages=4), epin64 (epi_n=64).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mokgen import build, emit, plan  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
-SHORT = {"twomma": "gemm1_two_mma", "lag": "gemm1_gather_lag", "tma": "gemm1_a_load=tma", "cluster2": "cluster=2", "epi4": "epi_buffers4", "epin64": "epi_n64"}
+SHORT = {"tma": "gemm1_a_load=tma", "cluster2": "cluster=2", "epi4": "epi_stages=4", "epin64": "epi_n=64"}
 
 
 def parse_variant(v: str) -> tuple[tuple[str, ...], dict[str, object]]:

@@ -86,16 +86,17 @@ def full_params(**overrides) -> dict:
 
 
 def render(p: dict, name: str = "wgrad") -> str:
-    import jinja2
+    from mokgen import kernels
+    from mokgen.emit import _environment  # the emit stage's jinja2 setup (filters the block library uses)
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env = _environment()
     ctx = {k: v for k, v in p.items() if k != "smem"}
+    table = "wgrad1_acc" if ctx["accumulate"] else "wgrad1"
     title = (f"wgrad {name}: out[{ctx['groups']}, {ctx['m_out']}, {ctx['n_out']}] "
              f"{'+=' if ctx['accumulate'] else '='} A^T B per group")
     return env.get_template(TEMPLATE).render(
         header=f"# Rendered by tools/wgrad_check.py from templates/{TEMPLATE}: {json.dumps(ctx, sort_keys=True)}",
-        name=name, title=title, **ctx)
+        name=name, title=title, args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], **ctx)
 
 
 def ptx_stats(ptx: str) -> dict:

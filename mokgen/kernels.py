@@ -1,0 +1,202 @@
+"""The kernels' argument table: one row per argument of every generated kernel's ``launch(...)``.
+
+Everything that passes arguments to a kernel is derived from this table, so the three cannot drift apart:
+
+* the templates' ``launch`` signatures and the fake tensors their ``compile()`` builds (emit renders the rows:
+  name, dtype, shape as an expression over the kernel module's constants and symbolic sizes);
+* the runtime's launches (:func:`call`: keyword tensors -> the positional order of the exported function);
+* the reference's step functions (:func:`bind`: a keyword implementation -> a callable with the kernel's order).
+
+Shapes are Python expressions evaluated in the kernel module's ``compile()``: upper-case names are the
+module's constants (from the plan), lower-case names the symbolic sizes that :data:`SYMBOLS` declares (the
+row and token counts vary per call; everything else is fixed by the plan). The stream is implicit (the TVM-FFI
+environment stream): it is the last parameter of every ``launch`` but not an argument of the exported function.
+
+This module imports nothing beyond the standard library (the runtime uses it on hosts without the compiler).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["Arg", "ARGS", "SYMBOLS", "names", "call", "bind", "signature"]
+
+# cute types of the table's dtypes (the templates render these names)
+CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32"}
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    dtype: str                  # "bf16" | "fp32" | "int32" tensors; "scalar" an Int32 argument
+    shape: tuple[str, ...] = ()  # expressions (see the module docstring); () for a scalar
+    doc: str = ""
+    written: bool = False       # the kernel writes it (outputs, workspaces)
+    align: int = 16             # bytes the kernel may assume the data pointer is aligned to
+
+    @property
+    def cute_type(self) -> str:
+        return "cutlass.Int32" if self.dtype == "scalar" else "cute.Tensor"
+
+    @property
+    def fake(self) -> str:
+        """The fake-tensor (or scalar) expression compile() passes for this argument."""
+        if self.dtype == "scalar":
+            return "cutlass.Int32(1)"
+        shape = ", ".join(self.shape) + ("," if len(self.shape) == 1 else "")
+        order = "" if len(self.shape) == 1 else f", stride_order=({', '.join(str(i) for i in reversed(range(len(self.shape))))})"
+        return f"make_fake_compact_tensor({CUTE_TYPES[self.dtype]}, ({shape}){order}, assumed_align={self.align})"
+
+
+def _t(name: str, dtype: str, *shape: str, doc: str = "", written: bool = False, align: int = 16) -> Arg:
+    return Arg(name, dtype, tuple(shape), doc, written, align)
+
+
+_NUM_CTAS = Arg("num_ctas", "scalar", (), "persistent CTAs to launch (the runtime passes the SM count)")
+_TILE_GROUP = _t("tile_group", "int32", "tiles", doc="[max_m_tiles] expert group of each routing tile")
+_META = _t("meta", "int32", "4", doc="[4] meta[0] = routing tiles in use (read on the device: no host sync)")
+_BIAS = _t("bias", "fp32", "BIAS_ROWS", "BIAS_COLS", doc="[GROUPS, PARTS * N_OUT] fp32 biases ([1, 1] when the spec has none)")
+
+
+def _grouped(w: Arg, row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]:
+    return (_t("a", "bf16", "a_rows", "K_DIM", doc=a_doc), w, _BIAS, row, _TILE_GROUP, _META, out, *extra, _NUM_CTAS)
+
+
+_W_K = _t("w", "bf16", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="weights, K-major (layout from the strides above)")
+_W_N = _t("w", "bf16", "GROUPS", "K_DIM", "N_OUT", doc="weights read transposed (N-major)")
+_ROW_SRC = _t("row", "int32", "rows", doc="[rows] row_src: token of each padded row (-1: padding)")
+_ROW_W = _t("row", "fp32", "rows", doc="[rows] row_w: routing weight of each padded row (0: padding)")
+_Z = _t("z", "bf16", "rows", "2 * N_OUT", doc="[rows, 2 N_OUT] pre-activation z in W1's row order")
+_WGRAD = (
+    _t("a", "bf16", "rows", "M_OUT", doc="[rows, M_OUT] rows of the left operand (grouped by expert)"),
+    _t("b", "bf16", "rows", "N_OUT", doc="[rows, N_OUT] rows of the right operand"),
+    _t("group_start", "int32", "GROUPS + 1", doc="[GROUPS + 1] first row of each group (multiples of GROUP_M)",
+       align=4),
+    _t("out", "bf16", "GROUPS", "M_OUT", "N_OUT", doc="[GROUPS, M_OUT, N_OUT] bf16 gradient",
+       written=True),
+    _NUM_CTAS,
+)
+_WGRAD_ACC = _WGRAD[:3] + (
+    _t("out", "fp32", "GROUPS", "M_OUT", "N_OUT", doc="[GROUPS, M_OUT, N_OUT] fp32 main_grad, added into",
+       written=True),
+    _NUM_CTAS,
+)
+
+ARGS: dict[str, tuple[Arg, ...]] = {
+    "routing": (
+        _t("idx", "int32", "tokens", "TOPK", doc="[T, K] routed expert of each slot"),
+        _t("weight", "fp32", "tokens", "TOPK", doc="[T, K] routing weights"),
+        _t("row_src", "int32", "rows", written=True, doc="[rows] token of each padded row"),
+        _t("row_w", "fp32", "rows", written=True, doc="[rows] routing weight of each padded row"),
+        _t("tile_group", "int32", "tiles", written=True, doc="[max_m_tiles] expert group of each routing tile"),
+        _t("meta", "int32", "4", written=True, doc="[4] meta[0] routing tiles used; meta[1] error flags"),
+        _t("slot_pos", "int32", "tokens", "TOPK + SHARED", written=True, doc="[T, slots] padded row of each slot"),
+    ),
+    "routing_sync": (),  # filled below: routing + the fused schedule's sync workspace
+    "gather": (
+        _t("x", "bf16", "tokens", "HIDDEN", doc="[T, H] token rows"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row"),
+        _META,
+        _t("xg", "bf16", "rows", "HIDDEN", written=True, doc="[rows, H] gathered rows (padding rows zero)"),
+    ),
+    "combine": (
+        _t("ys", "bf16", "rows", "HIDDEN", doc="[rows, H] per-slot rows"),
+        _t("slot_pos", "int32", "tokens", "SLOTS", doc="[T, slots] padded row of each slot (-1: none)"),
+        _t("y", "bf16", "tokens", "HIDDEN", written=True, doc="[T, H] sum over each token's slots, fixed order"),
+    ),
+    "gemm1": _grouped(_W_K, _ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                      a_doc="x [T, H] (rows gathered by row_src) or gathered rows xg [rows, H]"),
+    "gemm1_train": _grouped(_W_K, _ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                            _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+                            a_doc="x [T, H] (rows gathered by row_src) or gathered rows xg [rows, H]"),
+    "gemm2": _grouped(_W_K, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
+                      a_doc="h [rows, FFN]"),
+    "dgrad1": _grouped(
+        _W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
+        _Z,
+        _t("dz", "bf16", "rows", "2 * N_OUT", written=True, doc="[rows, 2 FFN] dz in W1's row order"),
+        _t("ds", "fp32", "rows", "N_TILES", written=True, doc="[rows, N_TILES] partial <dA', a> per N tile"),
+        a_doc="dO rows gathered by token [rows, H]"),
+    "dgrad2": _grouped(_W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] dx per slot"),
+                       a_doc="dz [rows, 2 FFN]"),
+    "wgrad1": _WGRAD,
+    "wgrad2": _WGRAD,
+    "wgrad1_acc": _WGRAD_ACC,
+    "wgrad2_acc": _WGRAD_ACC,
+    "fused": (
+        _t("x", "bf16", "tokens", "HIDDEN", doc="[T, H] token rows"),
+        _t("w1", "bf16", "GROUPS", "2 * FFN", "HIDDEN", doc="[GROUPS, 2 FFN, H] (gate/up layout from W1_N / W1_P)"),
+        _t("b1", "fp32", "B1_ROWS", "B1_COLS", doc="[GROUPS, 2 FFN] fp32 (or [1, 1])"),
+        _t("w2", "bf16", "GROUPS", "HIDDEN", "FFN", doc="[GROUPS, H, FFN]"),
+        _t("b2", "fp32", "B2_ROWS", "B2_COLS", doc="[GROUPS, H] fp32 (or [1, 1])"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row"),
+        _t("row_w", "fp32", "rows", doc="[rows] routing weight of each padded row"),
+        _TILE_GROUP,
+        _META,
+        _t("slot_pos", "int32", "tokens", "SLOTS", doc="[T, slots] padded row of each slot"),
+        _t("h", "bf16", "rows", "FFN", written=True, doc="[rows, FFN] workspace"),
+        _t("ys", "bf16", "rows", "HIDDEN", written=True, doc="[rows, H] workspace"),
+        _t("y", "bf16", "tokens", "HIDDEN", written=True, doc="[T, H] output"),
+        _t("sync", "int32", "nsync", written=True,
+           doc="[SYNC_DONE1 + max_m_tiles] zeroed by the routing kernel (sync[2] sticky)"),
+        _NUM_CTAS,
+    ),
+}
+ARGS["routing_sync"] = ARGS["routing"] + (
+    _t("sync", "int32", "nsync", written=True, doc="[SYNC_DONE1 + max_m_tiles] the fused kernel's counters, zeroed"),
+)
+
+# the symbolic sizes each kernel's compile() declares: name -> divisibility (None: any)
+_GROUPED_SYMS = {"a_rows": None, "rows": "GROUP_M", "tiles": None}
+SYMBOLS: dict[str, dict[str, str | None]] = {
+    "routing": {"tokens": None, "rows": "BM", "tiles": None},
+    "routing_sync": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
+    "gather": {"tokens": None, "rows": "BM"},
+    "combine": {"tokens": None, "rows": None},
+    "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
+    **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2")},
+    **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
+}
+
+
+def names(kernel: str) -> tuple[str, ...]:
+    """The exported function's positional parameters, in order."""
+    return tuple(a.name for a in ARGS[kernel])
+
+
+def table_key(kernel: str, fused_routing: bool = False) -> str:
+    """ARGS key of a kernel as loaded (the fused schedule's routing takes the sync workspace too)."""
+    return "routing_sync" if kernel == "routing" and fused_routing else kernel
+
+
+def call(fns: Mapping[str, Callable[..., Any]], kernel: str, *, table: str | None = None, **kw: Any) -> Any:
+    """Launch ``fns[kernel]`` with keyword arguments named as in :data:`ARGS` (all of them, no others)."""
+    rows = ARGS[table or kernel]
+    if len(kw) != len(rows):
+        want = {a.name for a in rows}
+        raise TypeError(f"{kernel}: arguments {sorted(set(kw) - want)} unknown, {sorted(want - set(kw))} missing")
+    try:
+        return fns[kernel](*[kw[a.name] for a in rows])
+    except KeyError as e:
+        if e.args and isinstance(e.args[0], str) and e.args[0] in {a.name for a in rows} and e.args[0] not in kw:
+            raise TypeError(f"{kernel}: argument {e.args[0]!r} missing") from None
+        raise
+
+
+def bind(kernel: str, impl: Callable[..., None], table: str | None = None) -> Callable[..., None]:
+    """A positional callable in ``kernel``'s order over a keyword implementation (the reference's steps)."""
+    order = names(table or kernel)
+
+    def step(*args: Any) -> None:
+        if len(args) != len(order):
+            raise TypeError(f"{kernel}: expected {len(order)} arguments ({', '.join(order)}), got {len(args)}")
+        impl(**dict(zip(order, args)))
+
+    step.__name__ = f"ref_{kernel}"
+    step.__qualname__ = step.__name__
+    return step
+
+
+def signature(kernel: str) -> str:
+    """``name: type,  # doc`` lines of a launch signature (docs and templates)."""
+    return "\n".join(f"{a.name}: {a.cute_type},  # {a.doc}" for a in ARGS[kernel])
