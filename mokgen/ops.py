@@ -2,7 +2,7 @@
 
 Pieces (docs/contract.md, "Device workspace and kernels" and "runtime"):
 
-* :func:`cap_rows` / :class:`Workspace`: the device workspace of one call size T.
+* :func:`cap_rows` / :class:`Workspace`: the device buffers of one forward call (allocated per call).
 * :func:`load_library`: ``libcute_dsl_runtime.so`` (RTLD_GLOBAL) then ``libmokgen.so`` through tvm-ffi.
 * :class:`CompiledMoE`: validated calls ``routing -> gemm1 -> gemm2 -> combine`` on the current torch stream, no
   host sync on the hot path; routing errors are reported by ``check=True`` or :meth:`CompiledMoE.check_errors`.
@@ -130,11 +130,17 @@ def _bm_of(plan: Any) -> int:
 
 @dataclass(eq=False)
 class Workspace:
-    """Device buffers of one call size T (docs/contract.md, "Device workspace").
+    """Device buffers of one forward call of T tokens (docs/contract.md, "Device workspace").
 
-    Initial contents (set once, at allocation): row_src 0, row_w 0, tile_group -1, meta 0, slot_pos -1; h and ys
-    uninitialized (every row the GEMMs read is written first). ``meta[1]`` is the sticky routing-error flag:
-    kernels only set it, :meth:`CompiledMoE.check_errors` (or ``check=True``) clears it.
+    Allocated per call (:meth:`allocate`) from torch's caching allocator on the current stream and dropped when
+    the call returns: the allocator is stream-ordered, so a buffer is handed out again only to work that runs
+    after the call's kernels on that stream. Calls on different streams, layers sharing one
+    :class:`CompiledMoE` and CUDA-graph captures (which allocate from the graph's pool) never share one.
+
+    Initial contents: ``meta`` 0 and, fused schedule, ``sync`` 0 (``meta[1]`` and ``sync[2]`` are error flags the
+    kernels only ever set; the routing kernel zeroes the rest of ``sync``); everything else uninitialized. The
+    routing kernel writes ``meta[0]``, all of ``tile_group`` and ``slot_pos`` and ``row_src`` / ``row_w`` of the
+    used rows before any kernel reads them, and the GEMMs, gather and combine read only used rows.
     """
 
     tokens: int
@@ -144,26 +150,27 @@ class Workspace:
     row_src: torch.Tensor     # [cap_rows] int32
     row_w: torch.Tensor       # [cap_rows] fp32
     tile_group: torch.Tensor  # [max_m_tiles] int32
-    meta: torch.Tensor        # [4] int32
+    meta: torch.Tensor        # [4] int32, zeroed
     slot_pos: torch.Tensor    # [T, K+S] int32
     h: torch.Tensor           # [cap_rows, I] bf16
     ys: torch.Tensor          # [cap_rows, H] bf16
-    dummy_bias: torch.Tensor  # [1, 1] fp32, passed as b1 / b2 when the spec has no bias
     xg: torch.Tensor | None = None  # [cap_rows, H] bf16 gathered rows of x (only with a gather kernel)
-    sync: torch.Tensor | None = None  # [4 + max_m_tiles] int32 task / dependency counters (fused schedule only);
-    #                                   sync[2] is the sticky wait-timeout flag
+    sync: torch.Tensor | None = None  # [4 + max_m_tiles] int32 task / dependency counters (fused schedule only),
+    #                                   zeroed; sync[2] is the wait-timeout flag
+
+    ZEROED = ("meta", "sync")   # the only buffers whose initial contents the kernels rely on
 
     @staticmethod
     def layout(spec_or_cfg: Any, plan: Any, tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{name: (shape, dtype)} of every buffer for ``tokens`` rows (bm from the plan; ``plan`` may be a bare
-        int bm). ``xg`` only when the plan uses a gather kernel."""
+        int bm). ``xg`` only when the plan uses a gather kernel, ``sync`` only with the fused schedule."""
         c = layer_config(spec_or_cfg)
         bm = _bm_of(plan)
         cap = cap_rows(tokens, c.topk, c.shared_experts, c.groups, bm)
         extra = {"xg": ((cap, c.hidden), torch.bfloat16)} if uses_gather_kernel(plan) else {}
         if is_fused(plan):
             extra["sync"] = ((FUSED_SYNC_HEAD + cap // bm,), torch.int32)
-        return {**extra, 
+        return {**extra,
             "row_src": ((cap,), torch.int32),
             "row_w": ((cap,), torch.float32),
             "tile_group": ((cap // bm,), torch.int32),
@@ -171,19 +178,16 @@ class Workspace:
             "slot_pos": ((tokens, c.topk + c.shared_experts), torch.int32),
             "h": ((cap, c.ffn), torch.bfloat16),
             "ys": ((cap, c.hidden), torch.bfloat16),
-            "dummy_bias": ((1, 1), torch.float32),
         }
 
     @classmethod
     def allocate(cls, spec_or_cfg: Any, plan: Any, tokens: int, device: torch.device | str) -> "Workspace":
+        """Fresh buffers on ``device`` (its current stream): :attr:`ZEROED` ones zero-filled (one small fill
+        kernel each), the others ``torch.empty``. Inside a CUDA-graph capture they come from the graph's pool
+        and the fills are part of the graph (every replay starts from zeroed flags)."""
         lay = cls.layout(spec_or_cfg, plan, tokens)
-        fill = {"row_src": 0, "row_w": 0, "tile_group": -1, "meta": 0, "slot_pos": -1, "dummy_bias": 0, "sync": 0}
-        bufs = {}
-        for name, (shape, dtype) in lay.items():
-            if name in fill:
-                bufs[name] = torch.full(shape, fill[name], dtype=dtype, device=device)
-            else:
-                bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+        bufs = {name: (torch.zeros if name in cls.ZEROED else torch.empty)(shape, dtype=dtype, device=device)
+                for name, (shape, dtype) in lay.items()}
         bm = _bm_of(plan)
         cap = lay["row_src"][0][0]
         return cls(tokens=tokens, bm=bm, cap_rows=cap, max_m_tiles=cap // bm, **bufs)
@@ -191,8 +195,7 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.row_src, self.row_w, self.tile_group, self.meta,
-                                                          self.slot_pos, self.h, self.ys, self.dummy_bias, self.xg,
-                                                          self.sync)
+                                                          self.slot_pos, self.h, self.ys, self.xg, self.sync)
                    if t is not None)
 
 
@@ -355,6 +358,16 @@ def _fmt(t: torch.Tensor) -> str:
     return f"[{', '.join(map(str, t.shape))}] {_DT.get(t.dtype, str(t.dtype).replace('torch.', ''))}"
 
 
+@dataclass(eq=False)
+class _DeviceState:
+    """What a :class:`CompiledMoE` keeps per device across calls (never a call's buffers)."""
+
+    errs: torch.Tensor    # [2, 2] int32: errs[0, 1] routing error, errs[1, 1] fused-kernel timeout (sticky until
+    #                       check_errors); column 0 takes the writes of clean calls
+    one: torch.Tensor     # [] int32 1, the value _record_errors writes
+    dummy: torch.Tensor   # [1, 1] fp32, passed as b1 / b2 when the spec has no bias (never read by the kernels)
+
+
 class CompiledMoE:
     """One rank's MoE layer bound to a built artifact.
 
@@ -362,9 +375,11 @@ class CompiledMoE:
     kernels instead (a mapping with the :data:`KERNELS`, e.g. ``reference.reference_kernels(spec, bm)``); with
     ``allow_cpu=True`` CPU tensors are accepted (tests). ``arch`` defaults to the entry's ``meta.json``.
 
-    Workspaces are allocated per (device, T) on first use and cached on this object (see
-    :meth:`workspace`); calls with the same T share one, so run calls of one object on one stream at a time
-    (or use one object per stream). Allocate a workspace (call once with that T) before CUDA-graph capture.
+    Every call owns its buffers: the forward's :class:`Workspace` and the training forward's :class:`Saved` are
+    allocated per call from torch's caching allocator on the current stream, so one object serves any number of
+    layers of its spec on any number of streams, and CUDA graphs captured from it (their buffers come from the
+    graph's pool). What outlives a call is per device: the sticky error flags :meth:`check_errors` reads and a
+    dummy bias, created by the first call on that device, which must run outside CUDA-graph capture.
     """
 
     def __init__(self, spec: Any, plan: Any, entry_dir: str | os.PathLike | None = None, *,
@@ -398,11 +413,8 @@ class CompiledMoE:
         # dgrad1's router-gradient partials: one column per N tile of its plan (reference kernels: one)
         self.ds_tiles = backward.dgrad1.n_tiles if backward is not None else 1
         self.allow_cpu = allow_cpu
-        self._workspaces: dict[tuple[str, int, int], Workspace] = {}
         self._sm_count: dict[tuple[str, int], int] = {}
-        self._unchecked_errors = 0       # flags found (and cleared) by a check=True call before its own launch
-        self._train_flags: dict[torch.device, torch.Tensor] = {}  # sticky routing-error flags of training calls
-        self._dummies: dict[torch.device, torch.Tensor] = {}
+        self._states: dict[torch.device, _DeviceState] = {}   # per device: sticky error flags, dummy bias
         self._warned_int64 = False
         self.registry_id = next(_IDS)
         _REGISTRY[self.registry_id] = self
@@ -411,78 +423,67 @@ class CompiledMoE:
         return f"CompiledMoE({self.name!r}, arch={self.arch!r}, bm={self.bm}, entry={str(self.entry_dir)!r})"
 
     def close(self) -> None:
-        """Drop the workspaces and the registry entry (the custom op can no longer reach this object)."""
-        self._workspaces.clear()
+        """Drop the per-device state and the registry entry (the custom op can no longer reach this object)."""
+        self._states.clear()
         _REGISTRY.pop(self.registry_id, None)
 
-    # ---- workspace --------------------------------------------------------------------------------------------
+    # ---- per-device state and errors --------------------------------------------------------------------------
 
-    def workspace(self, device: torch.device | str, tokens: int) -> Workspace:
-        """The cached workspace for (device, tokens), allocated on first use (memory: :attr:`Workspace.nbytes`
-        per distinct T; :meth:`clear_workspaces` frees them)."""
+    def _state(self, device: torch.device) -> "_DeviceState":
+        """The tensors of ``device`` that outlive a call (:class:`_DeviceState`), created on its first call. A
+        CUDA-graph capture must not create them (the graph would re-zero the flags on every replay)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        key = (device.type, -1 if device.index is None else device.index, int(tokens))
-        ws = self._workspaces.get(key)
-        if ws is None:
+        st = self._states.get(device)
+        if st is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"mokgen {self.name}: no workspace for T={tokens} on {device} yet; call the layer once with "
-                    "this T before CUDA-graph capture (workspaces must not be allocated inside a capture)")
-            ws = self._workspaces[key] = Workspace.allocate(self.cfg, self.plan, int(tokens), device)
-        return ws
+                    f"mokgen {self.name}: call the layer once on {device} outside CUDA-graph capture first (that "
+                    "call creates the device's error flags, which captured calls report to; the buffers of a "
+                    "call are allocated per call, from the graph's pool while capturing)")
+            st = self._states[device] = _DeviceState(
+                errs=torch.zeros((2, 2), dtype=torch.int32, device=device),
+                one=torch.ones((), dtype=torch.int32, device=device),
+                dummy=torch.zeros((1, 1), dtype=torch.float32, device=device))
+        return st
 
-    def clear_workspaces(self) -> None:
-        """Free every workspace (reports pending routing errors first, see :meth:`check_errors`). CUDA graphs
-        captured with this object use its workspaces: do not replay them after this."""
-        try:
-            self.check_errors()
-        finally:
-            self._workspaces.clear()
-
-    # ---- errors -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _record_errors(st: "_DeviceState", meta: torch.Tensor, sync: torch.Tensor | None = None) -> None:
+        """Fold one call's error flags (``meta[1]``, fused ``sync[2]``: 0 or 1) into the device's sticky flags,
+        stream-ordered after the call's kernels, without a host sync: ``errs[0, meta[1]] = 1`` (and
+        ``errs[1, sync[2]] = 1``). Only the constant 1 is ever written, and only at the indexed element, so calls
+        on concurrent streams never lose each other's flags (a read-modify-write such as ``max`` could)."""
+        st.errs[0].index_put_((meta[1:2],), st.one)
+        if sync is not None:
+            st.errs[1].index_put_((sync[2:3],), st.one)
 
     def check_errors(self) -> None:
         """Raise :class:`KernelTimeoutError` if a fused-kernel wait of any call since the last check timed out,
         else :class:`RoutingError` if any call since the last check saw an out-of-range ``topk_idx``.
 
-        The routing kernel sets ``meta[1]`` of the call's workspace and never clears it, so the flag is sticky
-        on the device until this method reads and clears it (one host sync). Calls of other T values have
-        their own workspaces; all are checked.
+        Each call's kernels set the flags in its own buffers (``meta[1]``, ``sync[2]``); the call then folds them
+        into its device's sticky flags (forward and training calls, every stream, graph replays), which stay set
+        until this method reads and clears them (one host sync per device). Calls made with ``check=True``
+        report their own errors and are not counted here.
         """
-        bad_T: list[int] = []
-        timed_out: list[int] = []
-        by_dev: dict[tuple[str, int], list[Workspace]] = {}
-        for (dev_type, index, _), ws in self._workspaces.items():
-            by_dev.setdefault((dev_type, index), []).append(ws)
-        for (dev_type, index), wss in by_dev.items():
-            if dev_type == "cuda":
-                torch.cuda.synchronize(index)   # the calls may have run on any stream of that device
-            flags = torch.stack([ws.meta[1] for ws in wss]).tolist()
-            for ws, f in zip(wss, flags):
-                if f:
-                    bad_T.append(ws.tokens)
-                    ws.meta[1] = 0
-                if ws.sync is not None and int(ws.sync[2]):
-                    timed_out.append(ws.tokens)
-                    ws.sync[2] = 0
-        for dev, flag in self._train_flags.items():   # training calls (their metadata is per call)
+        routing = timed_out = False
+        for dev, st in list(self._states.items()):
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if int(flag[0]):
-                self._unchecked_errors += 1
-                flag.zero_()
-        earlier = self._unchecked_errors
-        self._unchecked_errors = 0
+                torch.cuda.synchronize(dev)   # the calls may have run on any stream of that device
+            r, t = (bool(v) for v in st.errs[:, 1].tolist())
+            if r or t:
+                st.errs.zero_()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)   # cleared before any later call can set it again
+            routing |= r
+            timed_out |= t
         if timed_out:
-            also = (" Routing errors were also flagged (T = "
-                    f"{sorted(set(bad_T))})." if bad_T or earlier else "")
-            raise KernelTimeoutError(self._timeout_msg() + f" (T = {sorted(set(timed_out))}).{also}")
-        if bad_T or earlier:
-            where = f" (T = {sorted(set(bad_T))})" if bad_T else ""
+            also = " Routing errors were also flagged." if routing else ""
+            raise KernelTimeoutError(self._timeout_msg() + f" (a call since the last check).{also}")
+        if routing:
             raise RoutingError(
-                f"mokgen {self.name}: since the last check, call(s){where} saw topk_idx values outside "
+                f"mokgen {self.name}: since the last check, call(s) saw topk_idx values outside "
                 f"[0, {self.cfg.local_experts}); those slots were dropped (contributed 0). Call with check=True "
                 "to find the call and the bad indices.")
 
@@ -596,19 +597,16 @@ class CompiledMoE:
         elif not isinstance(num_ctas, int) or isinstance(num_ctas, bool) or num_ctas < 1:
             raise self._err(f"num_ctas must be a positive int, got {num_ctas!r}")
         T = x.shape[0]
+        if check and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"mokgen {self.name}: check=True syncs the host; not allowed in CUDA-graph "
+                               "capture (use check_errors() after replay)")
         y = out if out is not None else torch.empty((T, self.cfg.hidden), dtype=torch.bfloat16, device=x.device)
         if T == 0:
             return y
-        ws = self.workspace(x.device, T)
-        if check:
-            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"mokgen {self.name}: check=True syncs the host; not allowed in CUDA-graph "
-                                   "capture (use check_errors() after replay)")
-            if int(ws.meta[1]):       # an earlier, unchecked call's error: keep it for check_errors()
-                self._unchecked_errors += 1
-                ws.meta[1] = 0
-        b1_ = b1 if b1 is not None else ws.dummy_bias
-        b2_ = b2 if b2 is not None else ws.dummy_bias
+        st = self._state(x.device)
+        ws = Workspace.allocate(self.cfg, self.plan, T, x.device)   # this call's buffers (current stream)
+        b1_ = b1 if b1 is not None else st.dummy
+        b2_ = b2 if b2 is not None else st.dummy
         f = self._fns
         with self._stream(x.device):
             if self.fused:
@@ -616,7 +614,7 @@ class CompiledMoE:
                              ws.sync)
                 f["fused"](x, w1, b1_, w2, b2_, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos, ws.h,
                            ws.ys, y, ws.sync, num_ctas)
-                return self._after_call(ws, topk_idx, check, y)
+                return self._after_call(st, ws, topk_idx, check, y)
             f["routing"](topk_idx, topk_weight, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos)
             a = x
             if self.gather:
@@ -625,15 +623,17 @@ class CompiledMoE:
             f["gemm1"](a, w1, b1_, ws.row_src, ws.tile_group, ws.meta, ws.h, num_ctas)
             f["gemm2"](ws.h, w2, b2_, ws.row_w, ws.tile_group, ws.meta, ws.ys, num_ctas)
             f["combine"](ws.ys, ws.slot_pos, y)
-        return self._after_call(ws, topk_idx, check, y)
+        return self._after_call(st, ws, topk_idx, check, y)
 
-    def _after_call(self, ws: Workspace, topk_idx: torch.Tensor, check: bool, y: torch.Tensor) -> torch.Tensor:
-        if check and int(ws.meta[1]):
-            ws.meta[1] = 0
+    def _after_call(self, st: "_DeviceState", ws: Workspace, topk_idx: torch.Tensor, check: bool,
+                    y: torch.Tensor) -> torch.Tensor:
+        if not check:   # no sync: the flags go to the device's sticky ones (check_errors)
+            self._record_errors(st, ws.meta, ws.sync)
+            return y
+        if int(ws.meta[1]):   # syncs with this call's kernels (the current stream)
             raise RoutingError(f"mokgen {self.name}: {self._count_bad(topk_idx)}; those slots were dropped "
                                "(contributed 0)")
-        if check and ws.sync is not None and int(ws.sync[2]):
-            ws.sync[2] = 0
+        if ws.sync is not None and int(ws.sync[2]):
             raise KernelTimeoutError(self._timeout_msg())
         return y
 
@@ -652,13 +652,6 @@ class CompiledMoE:
                    "overrides={'schedule': 'chain'})" if self.fused else
                    "its cache entry was built without the training kernels (rebuild: mokgen.compile(spec, force=True))")
             raise RuntimeError(f"mokgen {self.name}: cannot train with these kernels: {why}")
-
-    def _dummy_bias(self, device: torch.device) -> torch.Tensor:
-        """A [1, 1] fp32 tensor passed as b1 / b2 when the spec has no bias (never read by the kernels)."""
-        t = self._dummies.get(device)
-        if t is None:
-            t = self._dummies[device] = torch.zeros((1, 1), dtype=torch.float32, device=device)
-        return t
 
     def new_saved(self, tokens: int, device: torch.device) -> Saved:
         """Fresh per-call buffers of a training forward for ``tokens`` tokens (``meta`` zeroed: its error flag is
@@ -686,14 +679,15 @@ class CompiledMoE:
         sv = self.new_saved(T, dev)
         if T == 0:
             return y, sv
+        st = self._state(dev)
         cap = sv.z.shape[0]
         h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)
         ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
-        dummy = self._dummy_bias(dev)
+        dummy = st.dummy
         f = self._fns
         with self._stream(dev):
             f["routing"](topk_idx, topk_weight, sv.row_src, sv.row_w, sv.tile_group, sv.meta, sv.slot_pos)
-            self._note_train_error(sv.meta)
+            self._record_errors(st, sv.meta)
             a = x
             if self.gather:
                 a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
@@ -703,12 +697,6 @@ class CompiledMoE:
             f["gemm2"](h, w2, b2 if b2 is not None else dummy, sv.row_w, sv.tile_group, sv.meta, ys, num_ctas)
             f["combine"](ys, sv.slot_pos, y)
         return y, sv
-
-    def _note_train_error(self, meta: torch.Tensor) -> None:
-        flag = self._train_flags.get(meta.device)
-        if flag is None:
-            flag = self._train_flags[meta.device] = torch.zeros((1,), dtype=torch.int32, device=meta.device)
-        torch.maximum(flag, meta[1:2], out=flag)
 
     def _group_onehot(self, tile_group: torch.Tensor) -> torch.Tensor:
         """[G, tiles] bool: routing tile m belongs to group g (unused tiles are -1: no group)."""
@@ -757,7 +745,7 @@ class CompiledMoE:
         dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
         sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
         ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
-        dummy = self._dummy_bias(dev)
+        dummy = self._state(dev).dummy
         db2 = None
         f = self._fns
         sv = saved

@@ -75,7 +75,7 @@ def case(request):
     moe = mokgen.compile(spec, overrides=OVERRIDES)
     inp = ref.random_inputs(spec, tokens=_tokens(spec), device="cuda", seed=0)
     yield spec, moe, inp
-    moe.clear_workspaces()
+    moe.check_errors()
     del inp
     torch.cuda.empty_cache()
 
@@ -149,7 +149,7 @@ def test_out_of_range_index(case):
 
 def test_no_host_sync(case):
     spec, moe, inp = case
-    run(moe, inp)                            # workspace allocated, SM count cached
+    run(moe, inp)                            # device state created, SM count cached
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

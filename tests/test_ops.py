@@ -91,16 +91,14 @@ def test_workspace_layout_matches_contract(T):
         "slot_pos": ((T, 5), torch.int32),
         "h": ((cap, 16), torch.bfloat16),
         "ys": ((cap, 32), torch.bfloat16),
-        "dummy_bias": ((1, 1), torch.float32),
     }
     ws = Workspace.allocate(cfg, BM, T, "cpu")
     assert (ws.tokens, ws.bm, ws.cap_rows, ws.max_m_tiles) == (T, BM, cap, cap // BM)
     for name, (shape, dtype) in lay.items():
         t = getattr(ws, name)
         assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous(), name
-    assert bool((ws.tile_group == -1).all()) and bool((ws.slot_pos == -1).all())
-    assert bool((ws.meta == 0).all()) and bool((ws.row_src == 0).all()) and bool((ws.row_w == 0).all())
-    assert ws.xg is None
+    assert bool((ws.meta == 0).all())          # the error flag meta[1] starts clear; the rest is the kernels'
+    assert ws.xg is None and ws.sync is None
     assert ws.nbytes == sum(getattr(ws, n).numel() * getattr(ws, n).element_size() for n in lay)
 
 
@@ -128,13 +126,28 @@ def test_workspace_matches_plan_for_presets():
         assert lay["row_src"][0] == (plan.cap_rows,) and lay["tile_group"][0] == (plan.max_m_tiles,)
 
 
-def test_workspaces_cached_per_device_and_T():
-    moe, _ = emulated(small())
-    a = moe.workspace("cpu", 10)
-    assert moe.workspace("cpu", 10) is a
-    assert moe.workspace("cpu", 11) is not a
-    moe.clear_workspaces()
-    assert moe.workspace("cpu", 10) is not a
+def routing_buffers(rec, i=0):
+    """The workspace buffers the i-th routing launch got (row_src, row_w, tile_group, meta, slot_pos[, sync])."""
+    return [args for name, args in rec.calls if name == "routing"][i][2:]
+
+
+def test_workspace_is_per_call():
+    """Every call gets its own buffers (none is cached on the CompiledMoE: two layers of one spec on two streams
+    never share one), with meta zeroed even after a call that flagged an error; nothing else is kept per T."""
+    cfg = small()
+    moe, rec = emulated(cfg)
+    a = good_args(cfg, T=10)
+    bad = a["topk_idx"].clone()
+    bad[0, 0] = 99
+    call(moe, dict(a, topk_idx=bad))
+    call(moe, a)
+    first, second = routing_buffers(rec, 0), routing_buffers(rec, 1)
+    for t1, t2 in zip(first, second):
+        assert t1 is not t2 and t1.data_ptr() != t2.data_ptr()   # the recorder keeps the first call's alive
+    assert int(first[3][1]) == 1 and int(second[3][1]) == 0       # meta: the flag of the bad call only
+    assert not hasattr(moe, "workspace") and not hasattr(moe, "_workspaces")
+    with pytest.raises(RoutingError):
+        moe.check_errors()
 
 
 # ---- validation ----------------------------------------------------------------------------------------------
@@ -265,20 +278,25 @@ def test_call_order_and_arguments():
     a = good_args(cfg, T=20)
     y = call(moe, a, num_ctas=66)
     assert rec.names == ["routing", "gemm1", "gemm2", "combine"]
-    ws = moe.workspace("cpu", 20)
     args = dict(rec.calls)
+    row_src, row_w, tile_group, meta, slot_pos = routing_buffers(rec)
+    h, ys, dummy = args["gemm1"][6], args["gemm2"][6], args["gemm1"][2]
+    lay = Workspace.layout(cfg, BM, 20)
+    for name, t in dict(row_src=row_src, row_w=row_w, tile_group=tile_group, meta=meta, slot_pos=slot_pos, h=h,
+                        ys=ys).items():
+        assert (tuple(t.shape), t.dtype) == lay[name], name
     want = {
-        "routing": (a["topk_idx"], a["topk_weight"], ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos),
-        "gemm1": (a["x"], a["w1"], ws.dummy_bias, ws.row_src, ws.tile_group, ws.meta, ws.h, 66),
-        "gemm2": (ws.h, a["w2"], ws.dummy_bias, ws.row_w, ws.tile_group, ws.meta, ws.ys, 66),
-        "combine": (ws.ys, ws.slot_pos, y),
+        "routing": (a["topk_idx"], a["topk_weight"], row_src, row_w, tile_group, meta, slot_pos),
+        "gemm1": (a["x"], a["w1"], dummy, row_src, tile_group, meta, h, 66),
+        "gemm2": (h, a["w2"], dummy, row_w, tile_group, meta, ys, 66),
+        "combine": (ys, slot_pos, y),
     }
     for name, expected in want.items():
         got = args[name]
         assert len(got) == len(expected), name
         for g, e in zip(got, expected):
             assert g is e if isinstance(e, torch.Tensor) else g == e, name
-    assert ws.dummy_bias.shape == (1, 1) and ws.dummy_bias.dtype == torch.float32
+    assert dummy.shape == (1, 1) and dummy.dtype == torch.float32
     rec.calls.clear()
     call(moe, a)
     assert dict(rec.calls)["gemm1"][-1] == 1               # default num_ctas: the SM count (1 on a CPU)
@@ -291,10 +309,11 @@ def test_call_order_with_gather_kernel():
     a = good_args(cfg, T=20)
     y = call(moe, a)
     assert rec.names == ["routing", "gather", "gemm1", "gemm2", "combine"]
-    ws = moe.workspace("cpu", 20)
     args = dict(rec.calls)
-    assert args["gather"][0] is a["x"] and args["gather"][3] is ws.xg
-    assert args["gemm1"][0] is ws.xg and args["gemm1"][2] is a["b1"] and args["gemm2"][2] is a["b2"]
+    xg = args["gather"][3]
+    assert (tuple(xg.shape), xg.dtype) == Workspace.layout(cfg, plan, 20)["xg"]
+    assert args["gather"][0] is a["x"] and args["gather"][1] is routing_buffers(rec)[0]
+    assert args["gemm1"][0] is xg and args["gemm1"][2] is a["b1"] and args["gemm2"][2] is a["b2"]
     y_ref = ref.forward(*[a[k] for k in ("x", "topk_idx", "topk_weight", "w1", "w2")], cfg, a["b1"], a["b2"])
     assert rel_err(y.float(), y_ref) < 1e-2
 
@@ -309,12 +328,13 @@ def test_call_order_fused_schedule():
     a = good_args(cfg, T=20)
     y = call(moe, a, num_ctas=66)
     assert rec.names == ["routing", "fused"]
-    ws = moe.workspace("cpu", 20)
-    assert ws.sync.shape == (4 + ws.max_m_tiles,) and ws.sync.dtype == torch.int32
     args = dict(rec.calls)
-    assert args["routing"][-1] is ws.sync
-    want = (a["x"], a["w1"], a["b1"], a["w2"], a["b2"], ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos,
-            ws.h, ws.ys, y, ws.sync, 66)
+    row_src, row_w, tile_group, meta, slot_pos, sync = routing_buffers(rec)
+    lay = Workspace.layout(cfg, plan, 20)
+    assert (tuple(sync.shape), sync.dtype) == lay["sync"] == ((4 + lay["tile_group"][0][0],), torch.int32)
+    h, ys = args["fused"][10], args["fused"][11]
+    want = (a["x"], a["w1"], a["b1"], a["w2"], a["b2"], row_src, row_w, tile_group, meta, slot_pos,
+            h, ys, y, sync, 66)
     got = args["fused"]
     assert len(got) == len(want)
     for g, e in zip(got, want):
@@ -340,7 +360,7 @@ def test_fused_timeout_flag_raises():
     with pytest.raises(ops.KernelTimeoutError, match="timed out"):
         call(moe, a, check=True)
     call(moe, a)
-    with pytest.raises(ops.KernelTimeoutError, match=r"T = \[9\]"):
+    with pytest.raises(ops.KernelTimeoutError, match="since the last check"):
         moe.check_errors()
     moe.check_errors()  # cleared
 
@@ -417,7 +437,7 @@ def test_routing_error_flag_is_sticky_until_checked():
     assert rel_err(y_bad.float(), y_ref) < 1e-2            # the bad slot was dropped
     call(moe, a)                                            # a clean call does not clear it
     call(moe, good_args(cfg, T=5))                          # nor one of another T
-    with pytest.raises(RoutingError, match=r"T = \[9\].*outside \[0, 6\)"):
+    with pytest.raises(RoutingError, match=r"since the last check.*outside \[0, 6\)"):
         moe.check_errors()
     moe.check_errors()                                      # cleared by the check
     # an unchecked error found by a later check=True call is kept for check_errors()
