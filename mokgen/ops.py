@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import reference
+from .kernels import call
 from .reference import LayerConfig, layer_config
 
 __all__ = [
@@ -610,19 +611,23 @@ class CompiledMoE:
         f = self._fns
         with self._stream(x.device):
             if self.fused:
-                f["routing"](topk_idx, topk_weight, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos,
-                             ws.sync)
-                f["fused"](x, w1, b1_, w2, b2_, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos, ws.h,
-                           ws.ys, y, ws.sync, num_ctas)
+                call(f, "routing", table="routing_sync", idx=topk_idx, weight=topk_weight, row_src=ws.row_src,
+                     row_w=ws.row_w, tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos, sync=ws.sync)
+                call(f, "fused", x=x, w1=w1, b1=b1_, w2=w2, b2=b2_, row_src=ws.row_src, row_w=ws.row_w,
+                     tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos, h=ws.h, ys=ws.ys, y=y,
+                     sync=ws.sync, num_ctas=num_ctas)
                 return self._after_call(st, ws, topk_idx, check, y)
-            f["routing"](topk_idx, topk_weight, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.slot_pos)
+            call(f, "routing", idx=topk_idx, weight=topk_weight, row_src=ws.row_src, row_w=ws.row_w,
+                 tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos)
             a = x
             if self.gather:
-                f[GATHER_KERNEL](x, ws.row_src, ws.meta, ws.xg)
+                call(f, GATHER_KERNEL, x=x, row_src=ws.row_src, meta=ws.meta, xg=ws.xg)
                 a = ws.xg
-            f["gemm1"](a, w1, b1_, ws.row_src, ws.tile_group, ws.meta, ws.h, num_ctas)
-            f["gemm2"](ws.h, w2, b2_, ws.row_w, ws.tile_group, ws.meta, ws.ys, num_ctas)
-            f["combine"](ws.ys, ws.slot_pos, y)
+            call(f, "gemm1", a=a, w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta, out=ws.h,
+                 num_ctas=num_ctas)
+            call(f, "gemm2", a=ws.h, w=w2, bias=b2_, row=ws.row_w, tile_group=ws.tile_group, meta=ws.meta,
+                 out=ws.ys, num_ctas=num_ctas)
+            call(f, "combine", ys=ws.ys, slot_pos=ws.slot_pos, y=y)
         return self._after_call(st, ws, topk_idx, check, y)
 
     def _after_call(self, st: "_DeviceState", ws: Workspace, topk_idx: torch.Tensor, check: bool,
@@ -686,16 +691,18 @@ class CompiledMoE:
         dummy = st.dummy
         f = self._fns
         with self._stream(dev):
-            f["routing"](topk_idx, topk_weight, sv.row_src, sv.row_w, sv.tile_group, sv.meta, sv.slot_pos)
+            call(f, "routing", idx=topk_idx, weight=topk_weight, row_src=sv.row_src, row_w=sv.row_w,
+                 tile_group=sv.tile_group, meta=sv.meta, slot_pos=sv.slot_pos)
             self._record_errors(st, sv.meta)
             a = x
             if self.gather:
                 a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
-                f[GATHER_KERNEL](x, sv.row_src, sv.meta, a)
-            f["gemm1_train"](a, w1, b1 if b1 is not None else dummy, sv.row_src, sv.tile_group, sv.meta, h, sv.z,
-                             num_ctas)
-            f["gemm2"](h, w2, b2 if b2 is not None else dummy, sv.row_w, sv.tile_group, sv.meta, ys, num_ctas)
-            f["combine"](ys, sv.slot_pos, y)
+                call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=a)
+            call(f, "gemm1_train", a=a, w=w1, bias=b1 if b1 is not None else dummy, row=sv.row_src,
+                 tile_group=sv.tile_group, meta=sv.meta, out=h, z=sv.z, num_ctas=num_ctas)
+            call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=sv.row_w, tile_group=sv.tile_group,
+                 meta=sv.meta, out=ys, num_ctas=num_ctas)
+            call(f, "combine", ys=ys, slot_pos=sv.slot_pos, y=y)
         return y, sv
 
     def _group_onehot(self, tile_group: torch.Tensor) -> torch.Tensor:
@@ -750,22 +757,24 @@ class CompiledMoE:
         f = self._fns
         sv = saved
         with self._stream(dev):
-            f[GATHER_KERNEL](dy, sv.row_src, sv.meta, buf)
-            f["dgrad1"](buf, w2, dummy, sv.row_w, sv.tile_group, sv.meta, sa, sv.z, dz, ds, num_ctas)
+            call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
+            call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=sa,
+                 z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
             if b2 is not None:   # db2[g] = sum of s * dO over the group's rows (fixed order: per tile, then tiles)
                 part = torch.bmm(sv.row_w.view(tiles, 1, self.bm), buf.view(tiles, self.bm, H).float()).squeeze(1)
                 db2 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
             if w2_main_grad is None:
-                f["wgrad2"](buf, sa, group_start, dw2, num_ctas)
+                call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
             else:
-                f["wgrad2_acc"](buf, sa, group_start, w2_main_grad, num_ctas)
-            f["dgrad2"](dz, w1, dummy, sv.row_w, sv.tile_group, sv.meta, buf, num_ctas)
-            f["combine"](buf, sv.slot_pos, dx)
-            f[GATHER_KERNEL](x, sv.row_src, sv.meta, buf)
+                call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
+            call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=buf,
+                 num_ctas=num_ctas)
+            call(f, "combine", ys=buf, slot_pos=sv.slot_pos, y=dx)
+            call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
             if w1_main_grad is None:
-                f["wgrad1"](dz, buf, group_start, dw1, num_ctas)
+                call(f, "wgrad1", a=dz, b=buf, group_start=group_start, out=dw1, num_ctas=num_ctas)
             else:
-                f["wgrad1_acc"](dz, buf, group_start, w1_main_grad, num_ctas)
+                call(f, "wgrad1_acc", a=dz, b=buf, group_start=group_start, out=w1_main_grad, num_ctas=num_ctas)
         # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>
         pos = sv.slot_pos[:, :K].long()
         valid = pos >= 0
