@@ -372,7 +372,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not callable(getattr(tune, "main", None)):
         _err("mokgen: tune: not implemented yet")
         return EXIT_ERROR
-    return int(tune.main(list(args.rest)) or 0)
+    try:
+        return int(tune.main(list(args.rest)) or 0)
+    except SystemExit as e:  # its parser's --help (0) or usage error (already reported in one line)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -464,7 +464,7 @@ def piecewise(spec: Spec, arch: str, theta: Mapping[str, float], *, configs: Ite
     out = []
     for i, (b, k) in enumerate(clean):
         nb = clean[i + 1][0] if i + 1 < len(clean) else 0
-        rep = max(lo, min(hi, b if nb == 0 else int(math.sqrt(max(b, lo) * nb))))
+        rep = max(lo, min(hi, int(math.sqrt(max(b, lo) * (nb or hi)))))
         if i == 0:
             rep = max(lo, min(hi, (nb or hi) // 2))
         out.append(Piece(b, nb, dict(lines[k][0]), round(at(k, rep), 6), rep))
