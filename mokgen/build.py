@@ -487,6 +487,25 @@ def compile_one(src: str, out_o: str, arch: str, name: str) -> None:
     os.environ["CUTE_DSL_KEEP"] = "ptx"
     os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
     t0 = time.monotonic()
+    from . import kcache
+
+    kkey = kcache.kernel_key(Path(src).resolve(), arch, name) if kcache.enabled() else None
+    with contextlib.ExitStack() as stack:
+        if kkey is not None:
+            try:  # one compile per kernel code, whoever asks first; no usable cache: compile without it
+                stack.enter_context(cache.lock(kkey, wait_message=False))
+            except cache.CacheError:
+                kkey = None
+        if kkey is not None and kcache.fetch(kkey, arch, name, out):
+            shutil.rmtree(dump, ignore_errors=True)
+            print(f"{name}: from the kernel cache ({kkey[:12]})", flush=True)
+            return
+        _compile_one(src, out, arch, name, dump, t0)
+        if kkey is not None:
+            kcache.store(kkey, arch, name, out)
+
+
+def _compile_one(src: str, out: Path, arch: str, name: str, dump: Path, t0: float) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

@@ -1203,7 +1203,10 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
     if not entries:
         raise CacheError(f"nothing to pack: no complete cache entries{' for ' + arch if arch else ''} in "
                          f"{cache_root()}")
+    tuning = _tuning_files(arch)
     manifest = {
+        "tuning": {rel: {"size": (cache_root() / rel).stat().st_size, "sha256": sha256_file(cache_root() / rel)}
+                   for rel in tuning},
         "format": META_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dsl_versions": dsl_versions(),
@@ -1226,6 +1229,8 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
             for e in entries:  # what meta.json lists, and meta.json: nothing else travels
                 for rel in sorted(e.meta["files"]) + [META]:
                     tf.add(e.path / rel, arcname=f"{e.arch}/{e.path.name}/{rel}", recursive=False)
+            for rel in tuning:  # the tuning database's intact records (sha256 in the manifest)
+                tf.add(cache_root() / rel, arcname=rel, recursive=False)
         os.replace(tmp, out)
     except OSError as e:
         raise CacheError(os_error_message(e, "write the pack", "choose another output path or free space",
@@ -1236,7 +1241,21 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
     return out
 
 
-_MEMBER_RE = re.compile(r"^(?:MANIFEST\.json|runtime(?:/libcute_dsl_runtime\.so)?|sm_[0-9a-z]+(?:/[0-9a-f]{16}(?:/.+)?)?)$")
+_MEMBER_RE = re.compile(r"^(?:MANIFEST\.json|runtime(?:/libcute_dsl_runtime\.so)?|sm_[0-9a-z]+(?:/[0-9a-f]{16}(?:/.+)?)?"
+                        r"|tuning(?:/sm_[0-9a-z]+(?:/[0-9a-f]{16}\.json)?)?)$")
+
+
+def _tuning_files(arch: str | None) -> list[str]:
+    """The intact tuning records (``tuning/<arch>/<key16>.json``, see mokgen.tunedb) to pack."""
+    from . import tunedb
+
+    out = []
+    for path, doc, why in tunedb.list_records(arch):
+        if doc is None:
+            print(f"mokgen: not packing {path}: {why}", file=sys.stderr, flush=True)
+        else:
+            out.append(f"{tunedb.DIRNAME}/{path.parent.name}/{path.name}")
+    return out
 
 
 def _scan_pack(tarp: Path) -> tuple[dict[str, tuple[int, str]], dict[str, bytes], list[str], set[str]]:
@@ -1268,7 +1287,7 @@ def _scan_pack(tarp: Path) -> tuple[dict[str, tuple[int, str]], dict[str, bytes]
                 f = tf.extractfile(m)
                 assert f is not None
                 h = hashlib.sha256()
-                keep = name == MANIFEST or name.endswith("/" + META)
+                keep = name == MANIFEST or name.endswith("/" + META) or name.startswith("tuning/")
                 buf = bytearray()
                 n = 0
                 while chunk := f.read(1 << 20):
@@ -1379,12 +1398,31 @@ def _verify_pack(tarp: Path) -> dict[str, Any]:
             bad = True
         if not bad:
             entries.append({"name": ename, "arch": arch_d, "key": meta["key"], "meta": meta})
+    tuning: list[str] = []
+    listed_tuning = manifest.get("tuning") if isinstance(manifest.get("tuning"), dict) else {}
+    for name in sorted(n for n in files if n.startswith("tuning/")):
+        rec = listed_tuning.get(name)
+        if not isinstance(rec, dict) or (rec.get("size"), rec.get("sha256")) != files[name]:
+            problems.append(f"{name} does not match its size and sha256 in {MANIFEST}")
+            continue
+        from . import tunedb
+
+        try:
+            why = tunedb.check_record(json.loads(small.get(name, b"")), Path(name))
+        except ValueError:
+            why = "does not parse"
+        if why:
+            problems.append(f"{name}: {why}")
+            continue
+        tuning.append(name)
+    for name in sorted(set(listed_tuning) - set(files)):
+        problems.append(f"{MANIFEST} lists {name}, which the pack does not hold")
     for missing in sorted(listed - set(by_entry)):
         problems.append(f"{MANIFEST} lists {missing}, which the pack does not hold")
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CacheError(f"{tarp}: refused, nothing installed: {'; '.join(problems[:3])}{more}")
-    return {"entries": entries, "runtime": runtime}
+    return {"entries": entries, "runtime": runtime, "tuning": tuning}
 
 
 def unpack(tar: str | os.PathLike) -> dict[str, Any]:
@@ -1447,6 +1485,23 @@ def unpack(tar: str | os.PathLike) -> dict[str, Any]:
                 os.replace(d, dst)
             installed.append(dst)
             result["installed"].append(dst)
+        for name in plan.get("tuning", []):
+            from . import tunedb
+
+            try:  # the staged copy is checked again, like the entries
+                why = tunedb.check_record(json.loads((stage / name).read_text()), Path(name))
+            except ValueError:
+                why = "does not parse"
+            if why:
+                raise CacheError(f"{tarp}: refused, nothing installed: {name} changed while it was read ({why})")
+            dst = root / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.exists() and sha256_file(dst) == sha256_file(stage / name):
+                result["present"].append(dst)
+                continue
+            os.replace(stage / name, dst)
+            installed.append(dst)
+            result["installed"].append(dst)
         if runtime is not None:
             dst = runtime_dir() / RUNTIME_LIB
             if dst.exists() and not check_runtime(dst) and (_read_meta(runtime_dir()) or {}).get("sha256") \
@@ -1458,7 +1513,7 @@ def unpack(tar: str | os.PathLike) -> dict[str, Any]:
             result["runtime"] = dst
     except OSError as e:
         for d in installed:  # all or nothing
-            _rmtree(d)
+            _rmtree(d) if d.is_dir() else d.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             for p in runtime_dir().glob(f"*.tmp.{os.getpid()}"):
                 p.unlink()
@@ -1466,7 +1521,7 @@ def unpack(tar: str | os.PathLike) -> dict[str, Any]:
         raise _cache_os_error(e, "install the pack into", e.filename or root) from None
     except BaseException:
         for d in installed:
-            _rmtree(d)
+            _rmtree(d) if d.is_dir() else d.unlink(missing_ok=True)
         raise
     finally:
         if stage is not None:

@@ -25,6 +25,7 @@ _ERROR_CLASSES = (
     ("mokgen.emit", "EmitError"),
     ("mokgen.build", "BuildError"),
     ("mokgen.cache", "CacheError"),
+    ("mokgen.tune", "TuneError"),
 )
 
 
@@ -118,7 +119,16 @@ def _overrides(items: list[str] | None) -> dict[str, Any]:
 
 
 def _solve(spec: Any, arch: str, sets: list[str] | None = None) -> Any:
-    return _need("mokgen.plan", "solve").solve(spec, arch, **_overrides(sets))
+    return _solve_tuned(spec, arch, sets)[0]
+
+
+def _solve_tuned(spec: Any, arch: str, sets: list[str] | None = None) -> tuple[Any, Any]:
+    """(plan, tuned info) as ``mokgen.compile`` gets them: the tuned plan where the tuning database has one
+    and no --set is given (mokgen.driver.plan_for)."""
+    _need("mokgen.plan", "solve")
+    from .driver import plan_for
+
+    return plan_for(spec, arch, _overrides(sets))
 
 
 def _emit(plan: Any) -> Any:
@@ -162,12 +172,14 @@ def cmd_specs(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec)
     arch = _arch(args)
-    plan = _solve(spec, arch, args.set)
+    plan, info = _solve_tuned(spec, arch, args.set)
     if args.json:
         _out(json.dumps(_to_dict(plan), indent=2, sort_keys=True))
         return 0
     if args.explain:
         _out(str(_need("mokgen.plan", "explain").explain(plan)).rstrip())
+        _out("")
+        _out("\n".join(_explain_tuning(spec, arch, info)))
         return 0
     _out(f"plan for {spec.name} on {arch}:")
     for k, v in _flatten(_to_dict(plan)):
@@ -175,6 +187,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
         _out(f"  {k}: {v}")
     return 0
+
+
+def _explain_tuning(spec: Any, arch: str, info: Any) -> list[str]:
+    """The tuned record and its pieces, or why there is none and the fitted model's piecewise plan."""
+    C = _need("mokgen.costmodel", "fit", "piecewise")
+    if info is None:
+        return ["tuning: not consulted (--set overrides the plan)"]
+    rec, pw, where = info
+    if rec is not None:
+        return [f"tuning: this plan is the tuned one: record {where} ({rec['gpu']}, {rec['created']}, tuned at "
+                f"T = {', '.join(map(str, (rec.get('tune') or {}).get('tokens', [])))})", *pw.describe()]
+    fit = C.fit(C.bench_records())
+    pw = C.piecewise(spec, arch, fit.theta)
+    return [f"tuning: {where}; `mokgen tune {spec.name}` on the GPU measures the candidates",
+            *fit.describe(), "the fitted model's plan as a function of T (not measured):", *pw.describe()]
 
 
 def _writable_dir(path: Path, what: str) -> Path:
@@ -227,14 +254,26 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     spec = _load_spec(args.spec)
     arch = _arch(args)
-    plan = _solve(spec, arch, args.set)
-    sources = _emit(plan)
-    # the same resolution as mokgen.compile(): build where the compiler is, find (by key or content) where not
-    art = driver.resolve(sources, arch, force=args.force, jobs=args.jobs, progress=not args.quiet)
-    _out(f"{spec.name} {arch}: {len(art.kernels)} kernel(s), {art.note or art.status or 'ready'}")
-    _out(f"entry: {art.dir}")
-    _out(f"library: {art.lib}")
-    _print_ptx_report(build.ptx_report(art))
+    plan, info = _solve_tuned(spec, arch, args.set)
+    plans = [plan]
+    if info is not None and info[0] is not None:
+        rec, pw, where = info
+        _out(f"{spec.name} {arch}: tuned plan from {where} ({rec['gpu']}, {rec['created']}), "
+             f"{len(pw.pieces)} piece(s)")
+        if len(pw.pieces) > 1:
+            P = _need("mokgen.plan", "solve")
+            import dataclasses as _dc
+
+            plans = [_dc.replace(P.solve(spec, arch, **pc.overrides), notes=P.solve(spec, arch, **pc.overrides).notes
+                                 + (driver._tuned_note(rec, pw, pc),)) for pc in pw.pieces]
+    for plan in plans:
+        sources = _emit(plan)
+        # the same resolution as mokgen.compile(): build where the compiler is, find (by key or content) where not
+        art = driver.resolve(sources, arch, force=args.force, jobs=args.jobs, progress=not args.quiet)
+        _out(f"{spec.name} {arch}: {len(art.kernels)} kernel(s), {art.note or art.status or 'ready'}")
+        _out(f"entry: {art.dir}")
+        _out(f"library: {art.lib}")
+        _print_ptx_report(build.ptx_report(art))
     return 0
 
 
@@ -333,7 +372,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not callable(getattr(tune, "main", None)):
         _err("mokgen: tune: not implemented yet")
         return EXIT_ERROR
-    return int(tune.main([args.spec, *args.rest]) or 0)
+    try:
+        return int(tune.main(list(args.rest)) or 0)
+    except SystemExit as e:  # its parser's --help (0) or usage error (already reported in one line)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -421,9 +463,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to the benchmark")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("tune", help="pick the fastest plan on this GPU")
-    p.add_argument("spec", metavar="SPEC")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("tune", help="pick the fastest plan on this GPU (mokgen tune --help)", add_help=False,
+                       prefix_chars="\0")  # every argument goes to mokgen.tune's own parser
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="SPEC [--tokens ...] | --show | --clear")
     p.set_defaults(func=cmd_tune)
     return ap
 

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 from . import cache
 from .arch import resolve_arch
 
-__all__ = ["CompilerMissingError", "compile", "resolve", "get_or_build", "load_entry", "prepare"]
+__all__ = ["CompilerMissingError", "compile", "resolve", "get_or_build", "load_entry", "prepare", "plan_for", "tuned",
+           "PiecewiseMoE"]
 
 _COMPILED: dict[str, Any] = {}
 
@@ -52,13 +53,93 @@ def _overrides(overrides: Any) -> dict[str, Any]:
     return dict(overrides)
 
 
+def tuned(spec: Any, arch: str) -> tuple[Any, Any, str]:
+    """``(record, PiecewisePlan, why)`` of the tuning database for ``spec``'s shape on ``arch``, this GPU
+    (``$MOKGEN_GPU_NAME`` or the visible one), this toolchain and these templates; ``(None, None, why not)``
+    when there is none."""
+    from . import tunedb
+
+    gpu = tunedb.gpu_name()
+    if gpu is None:
+        return None, None, "no GPU visible (set MOKGEN_GPU_NAME to use another host's tuning records)"
+    th = importlib.import_module("mokgen.emit").template_hash()
+    rec, path = tunedb.find(arch, gpu, tunedb.toolchain(), th, spec)
+    if rec is None:
+        return None, None, f"no tuning record for {spec.name} on {gpu} ({arch}) at {path}"
+    pw = importlib.import_module("mokgen.costmodel").PiecewisePlan.from_dict(rec["piecewise"])
+    return rec, pw, str(path)
+
+
+def _tuned_note(rec: Any, pw: Any, piece: Any) -> str:
+    rng = f"[{piece.lo}, {piece.hi or 'inf'})"
+    return (f"tuned: record {rec['key'][:16]} ({rec['gpu']}, {rec['created']}), piece T in {rng} of "
+            f"{len(pw.pieces)}")
+
+
+def plan_for(spec: Any, arch: str, overrides: Any = None, *, use_tuned: bool = True) -> tuple[Any, Any]:
+    """``(plan, tuned_info)``: with no overrides and a tuning record, the record's piece for ``spec.tokens``
+    (its note names the record); else the solver's plan. ``tuned_info`` is ``(record, PiecewisePlan, path)`` or
+    ``(None, None, why there is none)`` (None when overrides were given)."""
+    P = importlib.import_module("mokgen.plan")
+    ov = _overrides(overrides)
+    if ov or not use_tuned:
+        return P.solve(spec, arch, **ov), None
+    rec, pw, where = tuned(spec, arch)
+    if rec is None:
+        return P.solve(spec, arch), (None, None, where)
+    piece = pw.piece(spec.tokens)
+    plan = P.solve(spec, arch, **piece.overrides)
+    import dataclasses
+
+    plan = dataclasses.replace(plan, notes=plan.notes + (_tuned_note(rec, pw, piece),))
+    return plan, (rec, pw, where)
+
+
 def prepare(spec: Any, arch: str | None = None, overrides: Any = None) -> tuple[Any, str, Any, Any]:
-    """``(spec, arch, plan, sources)``: load_spec -> resolve_arch -> plan.solve -> emit.emit."""
+    """``(spec, arch, plan, sources)``: load_spec -> resolve_arch -> plan (the tuned one where the tuning
+    database has a record for this spec and GPU, see :func:`plan_for`) -> emit.emit."""
     spec = _as_spec(spec)
     arch = resolve_arch(arch)
-    plan = importlib.import_module("mokgen.plan").solve(spec, arch, **_overrides(overrides))
+    plan, _info = plan_for(spec, arch, overrides)
     sources = importlib.import_module("mokgen.emit").emit(plan)
     return spec, arch, plan, sources
+
+
+class PiecewiseMoE:
+    """The layer of a tuned piecewise plan: one :class:`mokgen.ops.CompiledMoE` per piece, all built up front;
+    every call picks its piece from T = x.shape[0] on the host (no sync, no recompile; a CUDA graph captures
+    the piece of the T it was captured with). ``mokgen.moe_forward`` / ``mokgen.MoE`` accept it."""
+
+    def __init__(self, pieces: list[tuple[int, int, Any]], piecewise: Any = None):
+        if not pieces or pieces[0][0] != 1 or pieces[-1][1] != 0:
+            raise ValueError("PiecewiseMoE: pieces must cover T >= 1")
+        self.pieces = pieces
+        self.piecewise = piecewise
+
+    def select(self, tokens: int) -> Any:
+        for lo, hi, moe in self.pieces:
+            if tokens >= lo and (hi == 0 or tokens < hi):
+                return moe
+        return self.pieces[0][2]  # T < 1: an empty call, any piece returns the empty output
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.select(x.shape[0])(x, *args, **kwargs)
+
+    def forward_train(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.select(x.shape[0]).forward_train(x, *args, **kwargs)
+
+    def backward(self, dy: Any, saved: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.select(x.shape[0]).backward(dy, saved, x, *args, **kwargs)
+
+    def check_errors(self) -> None:
+        for _lo, _hi, moe in self.pieces:
+            moe.check_errors()
+
+    def __getattr__(self, name: str) -> Any:  # spec, name, arch, ... of the first piece
+        return getattr(self.pieces[0][2], name)
+
+    def __repr__(self) -> str:
+        return "PiecewiseMoE(" + ", ".join(f"[{lo}, {hi or 'inf'}): {m!r}" for lo, hi, m in self.pieces) + ")"
 
 
 def get_or_build(sources: Any, arch: str, *, force: bool = False, jobs: int | None = None, progress: bool = True,
@@ -167,7 +248,25 @@ def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: 
     what is missing. ``force=True`` rebuilds (needs the DSL). ``overrides``: plan choices passed to
     :func:`mokgen.plan.solve` (a mapping, or ``"k=v,k=v"``; e.g. ``{"schedule": "chain"}``).
     """
-    spec, arch, plan, sources = prepare(spec, arch, overrides)
+    spec = _as_spec(spec)
+    arch = resolve_arch(arch)
+    plan, info = plan_for(spec, arch, overrides)
+    if info is not None and info[1] is not None and len(info[1].pieces) > 1:  # a tuned piecewise plan
+        rec, pw, _where = info
+        P = importlib.import_module("mokgen.plan")
+        import dataclasses
+
+        pieces = []
+        for piece in pw.pieces:
+            p = P.solve(spec, arch, **piece.overrides)
+            p = dataclasses.replace(p, notes=p.notes + (_tuned_note(rec, pw, piece),))
+            pieces.append((piece.lo, piece.hi, _load(spec, arch, p, force)))
+        return PiecewiseMoE(pieces, pw)
+    return _load(spec, arch, plan, force)
+
+
+def _load(spec: Any, arch: str, plan: Any, force: bool) -> Any:
+    sources = importlib.import_module("mokgen.emit").emit(plan)
     art = resolve(sources, arch, force=force)
     key = str(Path(art.dir).resolve())
     moe = None if force else _COMPILED.get(key)

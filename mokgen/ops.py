@@ -897,6 +897,8 @@ def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: Comp
     training op runs (GEMM 1 also saves z; per-call routing metadata) and ``loss.backward()`` runs the generated
     backward kernels; otherwise the inference kernels. ``w1_main_grad`` / ``w2_main_grad`` (fp32, the weights'
     shapes): the weight gradients are added into them (Megatron-style) and w1 / w2 get no ``.grad``."""
+    if not isinstance(moe, CompiledMoE) and hasattr(moe, "select"):  # a tuned piecewise plan: pick by T (host)
+        moe = moe.select(x.shape[0])
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weight, w1, w2, b1, b2))
     if not needs_grad:

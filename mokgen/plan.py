@@ -9,6 +9,7 @@ a cost model ranks the candidates and `explain` prints the whole derivation with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 import sympy as sp
 
 from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
+from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
 from .spec import Spec
 
 __all__ = [
@@ -39,10 +41,10 @@ def get_arch(name: str) -> Arch:
 # ---- kernel constants (sm_90a, bf16) ---------------------------------------------------------------------
 BM = 128  # M tile: 2 consumer warpgroups x 64 rows (cooperative)
 BK = 64  # K tile; the spec guarantees hidden % 64 == ffn % 64 == 0
-BN_CHOICES = (64, 128, 192, 256)
+BN_CHOICES = _SPACE.values("bn", "gemm1")
 CONSUMER_WGS = 2
 WARPGROUP = 128  # threads
-MIN_STAGES, MAX_STAGES = 3, 7
+MIN_STAGES, MAX_STAGES = _SPACE.min_stages, _SPACE.max_stages
 EPI_M, EPI_N, EPI_BUFFERS = BM, 32, 2  # epilogue sub-tile (both warpgroups' rows) staged through smem, double-buffered
 BARRIER_BYTES = 1024
 ELEM_BYTES = 2  # bf16
@@ -59,8 +61,8 @@ PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 REGS = {"gather": (56, 224), "tma": (PRODUCER_REGS, 232), "tma_rows": (PRODUCER_REGS, 232)}
 # Epilogue staging choices (plan.gemm*.epi_n / epi_stages; overrides epi_n, epi_stages): 32-column slices in
 # 2 buffers; 64 columns or 4 buffers measured within 1% on the H200 (bench/NOTES.md v2).
-EPI_NS = (32, 64)
-EPI_STAGE_CHOICES = (2, 4)
+EPI_NS = _SPACE.values("epi_n")
+EPI_STAGE_CHOICES = _SPACE.values("epi_stages")
 Z_CHUNK = 16
 REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epilogue, SwiGLU): an estimate
 # Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
@@ -77,20 +79,16 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # boxes per stage: kimi-k2 2.72 vs 2.56 ms) and is only an override.
 GEMM1_A_LOAD = "gather"
 GATHER_MIN_GROUP_ROWS = 1024
-A_LOADS = ("tma", "gather", "tma_rows")
-OVERRIDES = ("gemm1_bn", "gemm2_bn", "gemm1_stages", "gemm2_stages", "raster_group", "gemm1_a_load", "schedule",
-             "cluster", "gemm1_cluster", "gemm2_cluster", "consumer", "gemm1_consumer", "gemm2_consumer",
-             "w_hint", "gemm1_w_hint", "gemm2_w_hint", "a_hint", "gemm1_a_hint", "gemm2_a_hint",
-             "gemm1_raster_group", "gemm2_raster_group", "dgrad1_consumer", "dgrad2_consumer", "epi_n",
-             "epi_stages")
-CLUSTERS = (1, 2)
+A_LOADS = _SPACE.values("a_load", "gemm1")
+OVERRIDES = _override_keys("sm_90a")  # every knob's keys (mokgen.space)
+CLUSTERS = _SPACE.values("cluster", "gemm1")
 # L2 eviction priority of a GEMM's TMA loads (W tiles: w_hint; A tiles loaded by TMA: a_hint), as the 64-bit
 # cache policies of createpolicy.fractional (fraction 1.0): "normal" issues no hint
 L2_HINTS = {"normal": None, "first": 0x12F0000000000000, "last": 0x14F0000000000000}
 # How the two consumer warpgroups share the work: "cooperative" = both on one 128-row tile (64 rows each);
 # "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
 # mainloop keeps the tensor cores busy (W tiles are then loaded once per 64 rows instead of 128).
-CONSUMERS = ("cooperative", "pingpong")
+CONSUMERS = _SPACE.values("consumer", "gemm1")
 # Mainloop efficiency of a ping-pong tile relative to a cooperative one, per GEMM, from the H200 (bench/NOTES.md
 # v3): GEMM 1 ran 4-6% slower per flop (its W tiles are loaded once per 64 rows instead of 128), GEMM 2's hidden
 # epilogue was worth up to 8-19% in short bursts but nothing in the sustained, power-capped benchmark. What
@@ -98,8 +96,8 @@ CONSUMERS = ("cooperative", "pingpong")
 PINGPONG_EFF = {1: 0.95, 2: 1.0}
 # "chain": routing, GEMM 1, GEMM 2, combine as separate launches; "fused": routing, then one persistent kernel
 # for GEMM 1 + GEMM 2 + combine (templates/sm90/fused.py.j2), which needs gemm1.bn == gemm2.bn | hidden
-SCHEDULES = ("chain", "fused")
-RASTER_OVERRIDE_MAX = 64
+SCHEDULES = _SPACE.values("schedule")
+RASTER_OVERRIDE_MAX = max(_SPACE.values("raster_group", "gemm1"))
 
 # ---- the rules, symbolically -------------------------------------------------------------------------------
 _smem, _epi, _bar = sp.symbols("smem_cta epi_bytes barrier_bytes", positive=True)
@@ -129,6 +127,7 @@ def _stage_bytes(bn: int, consumer: str = "cooperative") -> int:
     return int(STAGE_BYTES.subs({_bk: BK, _bm: _tile_m(consumer), _bn: bn}))
 
 
+@functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
 def _stages_bound(arch: Arch, bn: int, consumer: str = "cooperative") -> sp.Rational:
     values = {_smem: arch.smem_per_cta, _epi: _epi_bytes(), _bar: BARRIER_BYTES, _bk: BK, _bm: _tile_m(consumer),
               _bn: bn}
@@ -150,6 +149,7 @@ def _acc_regs(bn: int) -> int:
     return BM // CONSUMER_WGS * bn // WARPGROUP
 
 
+@functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
 def _raster_bound(arch: Arch, k: int, bn: int) -> sp.Rational:
     return RASTER_FIT.subs({_l2: arch.l2_bytes, _k: k, _bm: BM, _bn: bn})
 
@@ -160,6 +160,7 @@ def _raster_group(arch: Arch, k: int, bn: int) -> int:
     return min(RASTER_MAX, 1 << max(0, fit.bit_length() - 1))
 
 
+@functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
 def _chunk_rows(arch: Arch, n_tiles: int, bm: int = BM) -> int:
     """Smallest multiple of bm whose row tiles times `n_tiles` reach 2 waves (N/BN = n_tiles, partial tile included)."""
     rows = CHUNK_MIN.subs({_bm: bm, _bn: 1, _n: n_tiles, _sms: arch.sms})
