@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Where a training step's time goes in the sustained (power-capped) regime: the GPU timeline of a few
+forward+backward steps under autograd, taken after the GPU has run the same step for a while.
+
+    python tools/step_timeline.py SPEC[@k=v,...] [...] [--warm-s 3] [--steps 3] [--json OUT]
+
+The H200 of this project throttles to its power cap under sustained GEMM load; a step timed right after a pause
+runs at boost clocks and can be 10% faster than the same step in a benchmark's later rounds. This tool first
+runs the step back to back for --warm-s seconds, then records --steps steps with torch.profiler and reports, per
+step: wall time on the GPU (first kernel start to last kernel end), the sum of kernel times, the idle time
+between kernels (gaps > 0), and per kernel its duration (mean over the recorded steps), and the same for torch's
+grouped_mm pipeline. One JSON line per spec and implementation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import torch  # noqa: E402
+
+import mokgen  # noqa: E402
+from mokgen import baselines as B  # noqa: E402
+from mokgen import reference as R  # noqa: E402
+from mokgen.plan import parse_overrides  # noqa: E402
+from mokgen.spec import load_spec  # noqa: E402
+
+
+def _kernels(prof) -> list:
+    evs = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")
+           and (e.device_time_total or 0) > 0 and e.time_range.end > e.time_range.start]
+    evs.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.start, e.time_range.end) for e in evs]  # microseconds
+
+
+def timeline(step, warm_s: float, steps: int, marker) -> dict:
+    """Run `step` back to back for warm_s seconds, then profile `steps` more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t_end = time.time() + warm_s
+    n = 0
+    while time.time() < t_end:
+        step()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ks = _kernels(prof)
+    if not ks:
+        return dict(error="no kernels recorded")
+    wall = (ks[-1][2] - ks[0][1]) / 1000 / steps
+    busy = sum(e - s for _, s, e in ks) / 1000 / steps
+    gaps = []
+    for (n0, _, e0), (n1, s1, _) in zip(ks, ks[1:]):
+        if s1 > e0:
+            gaps.append((s1 - e0, n0[:40], n1[:40]))
+    gaps.sort(reverse=True)
+    # the steps launch the same sequence: kernel i of the step is entry i of every step's block
+    per_step = len(ks) // steps
+    kernels = []
+    if per_step * steps == len(ks):
+        for i in range(per_step):
+            durs = [(ks[j * per_step + i][2] - ks[j * per_step + i][1]) / 1000 for j in range(steps)]
+            kernels.append((marker(ks[i][0]), round(sum(durs) / steps, 4), 1))
+    return dict(warm_steps=n, wall_ms=round(wall, 4), busy_ms=round(busy, 4),
+                idle_ms=round(sum(g for g, _, _ in gaps) / 1000 / steps, 4),
+                largest_gaps_us=[(round(g, 1), a, b) for g, a, b in gaps[:8]], kernels_ms=kernels)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("items", nargs="+")
+    ap.add_argument("--warm-s", type=float, default=3.0)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--no-torch", action="store_true")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("step_timeline: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = open(a.json, "a") if a.json else None
+    for item in a.items:
+        name, _, ov = item.partition("@")
+        spec = load_spec(name)
+        moe = mokgen.compile(spec, overrides=parse_overrides(ov) if ov else None)
+        inp = R.random_inputs(spec, spec.tokens, device="cuda", seed=7)
+        x, idx, tw, w1, w2, b1, b2 = inp
+        leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, tw, w1, w2, b1, b2)]
+        dy = torch.randn(spec.tokens, spec.hidden, device="cuda", dtype=torch.bfloat16)
+
+        def clear():
+            for t in leaves:
+                if t is not None:
+                    t.grad = None
+
+        def ours():
+            clear()
+            mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], moe=moe).backward(dy)
+
+        def theirs():
+            clear()
+            B.torch_grouped_mm(leaves[0], idx, leaves[1], leaves[2], leaves[3], spec, leaves[4], leaves[5]).backward(dy)
+
+        impls = [("mokgen", ours)] + ([] if a.no_torch else [("torch_grouped_mm", theirs)])
+        for impl, fn in impls:
+            rec = dict(spec=item, impl=impl, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       **timeline(fn, a.warm_s, a.steps, lambda n: n[:60]))
+            line = json.dumps(rec)
+            if out:
+                out.write(line + "\n")
+                out.flush()
+            print(f"{item:20s} {impl:17s} wall {rec.get('wall_ms')} ms  busy {rec.get('busy_ms')}  idle "
+                  f"{rec.get('idle_ms')}  (warm steps {rec.get('warm_steps')})")
+            for k, ms, cnt in rec.get("kernels_ms", []):
+                if ms >= 0.02:
+                    print(f"    {ms:8.4f} ms  x{cnt}  {k}")
+            print("    largest gaps (us):", rec.get("largest_gaps_us", [])[:5])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
