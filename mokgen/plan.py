@@ -698,6 +698,14 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             if overrides[key] == "cooperative" and g.bm < BM:
                 raise PlanError(f"plan.{key}: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
             bwd[name] = _with_consumer(a, g, overrides[key])
+    if "dgrad1_z_chunk" in overrides:
+        g = bwd.get("dgrad1", plan.backward.dgrad1)
+        zc = _int_override("dgrad1_z_chunk", overrides["dgrad1_z_chunk"])
+        legal = _SPACE.values("z_chunk", "dgrad1")
+        if zc not in legal or (g.bn // 4) % zc:
+            raise PlanError(f"plan.dgrad1_z_chunk: must be one of {', '.join(map(str, legal))} dividing the "
+                            f"{g.bn // 4} z pairs a thread holds (dgrad1 bn {g.bn}), got {zc}")
+        bwd["dgrad1"] = dataclasses.replace(g, z_chunk=zc)
     return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **bwd)) if bwd else plan
 
 

@@ -94,6 +94,8 @@ SM90 = ArchSpace(
              doc="four launches, or routing + one persistent kernel"),
         Knob("consumer", ("dgrad1", "dgrad2"), ("cooperative", "pingpong"),
              doc="backward dgrad GEMMs' consumer mode (derived from the routing tile)"),
+        Knob("z_chunk", ("dgrad1",), (4, 8, 16, 32), search=None,
+             doc="dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (registers)"),
         Knob("epi_n", ("plan",), (32, 64), search=None,
              doc="columns per epilogue slice of the forward GEMMs (smem staging before the TMA store); 64 and 32 "
                  "measured within 1%"),
