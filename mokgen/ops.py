@@ -907,6 +907,7 @@ def _inference_backward(ctx, dy):
 
 _OPS_LOCK = threading.Lock()
 _OPS: list[Any] = []   # the registered custom ops (empty until register_ops)
+_OPS_READY = False     # a plain bool: what dynamo sees (and guards on) when it traces register_ops
 
 
 def register_ops() -> None:
@@ -914,7 +915,7 @@ def register_ops() -> None:
     once per process. Called on first use (``CompiledMoE.registry_id``, which every caller of the ops passes;
     :func:`moe_forward`; ``MoE()``), not at import: torch's custom-op registration costs ~10 ms, a fifth of a
     warm start's budget, and a process that only loads kernels may never call through torch.ops."""
-    if _OPS:
+    if _OPS_READY:
         return
     if torch.compiler.is_compiling():   # dynamo is tracing (so imported): register outside the graph
         torch.compiler.disable(_register_ops)()
@@ -923,8 +924,9 @@ def register_ops() -> None:
 
 
 def _register_ops() -> None:
+    global _OPS_READY
     with _OPS_LOCK:
-        if _OPS:
+        if _OPS_READY:
             return
         lib = torch.library
         fwd = lib.custom_op("mokgen::moe_forward", mutates_args=(), schema=_FWD_SCHEMA)(_moe_forward_op)
@@ -938,6 +940,7 @@ def _register_ops() -> None:
         lib.register_autograd("mokgen::moe_forward", _inference_backward,
                               setup_context=lambda ctx, inputs, output: None)
         _OPS[:] = [fwd, train, bwd]
+        _OPS_READY = True
 
 
 def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: CompiledMoE,

@@ -334,3 +334,27 @@ print(json.dumps({{"entry": str(moe.entry_dir), "plan": moe.plan.to_dict(), "pla
     r = subprocess.run([sys.executable, "-c", _BLOCK_ALL + compile_it], capture_output=True, text=True, cwd=tmp_path,
                        timeout=300, env=env)
     assert r.returncode != 0 and "DamagedEntryError" in r.stderr and "does not match its sha256" in r.stderr
+
+
+def test_ops_are_registered_on_first_use() -> None:
+    """torch.ops.mokgen.* are registered on first use, not at import (~10 ms of a warm start); a first use under
+    torch.compile tracing registers them behind a graph break."""
+    code = r'''
+import torch
+from mokgen import ops, reference as ref
+from mokgen.reference import LayerConfig
+assert not ops._OPS_READY and not hasattr(torch.ops.mokgen, "moe_forward")
+cfg = LayerConfig(hidden=32, ffn=16, experts=6, ep=1, topk=3, tokens=8, shared_experts=1, activation="swiglu",
+                  swiglu_limit=None, gate_up_layout="concat", bias=False)
+moe = ops.CompiledMoE(cfg, 16, functions=ref.reference_kernels(cfg, 16, training=True), allow_cpu=True)
+assert not ops._OPS_READY
+x, idx, w, w1, w2, b1, b2 = ref.random_inputs(cfg, tokens=8)
+f = lambda x, idx, w, w1, w2: ops.moe_forward(x, idx, w, w1, w2, moe=moe) * 2
+y = torch.compile(f, backend="aot_eager")(x, idx, w, w1, w2)
+assert ops._OPS_READY and torch.equal(y, f(x, idx, w, w1, w2))
+assert torch.ops.mokgen.moe_forward(x, idx, w, w1, w2, None, None, moe.registry_id).shape == (8, 32)
+print("ok")
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
