@@ -7,6 +7,7 @@ Layout (root = ``$MOKGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/mokgen``, else ``~/
     <root>/build/<arch>/<key[:16]>/    the ninja build directory of an entry being built
     <root>/locks/<key[:16]>.lock       flock lock of a key (holder pid written inside)
     <root>/runtime/                    libcute_dsl_runtime.so + its meta.json (version, sha256) from a pack
+    <root>/index/<arch>/<h16>.json     warm-start index records (mokgen.index): a compile call -> its entry
 
 Key = sha256 of the canonical JSON of {arch, DSL package versions, template hash, spec, plan, emitted files}.
 ``meta.json`` is written last and records every file of the entry with its size and sha256. An entry is used
@@ -1073,6 +1074,11 @@ def clear_report(arch: str | None = None) -> tuple[list[Path], list[tuple[Path, 
     for ad in _arch_dirs(arch):
         with contextlib.suppress(OSError):
             ad.rmdir()
+    # the warm-start index (mokgen.index) of those archs: records of removed entries would only miss
+    idx = root / "index"
+    for d in ([idx / arch] if arch is not None else [idx]):
+        if d.is_dir() and not d.is_symlink():
+            _remove(d)
     return removed, kept
 
 

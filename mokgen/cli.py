@@ -270,6 +270,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         sources = _emit(plan)
         # the same resolution as mokgen.compile(): build where the compiler is, find (by key or content) where not
         art = driver.resolve(sources, arch, force=args.force, jobs=args.jobs, progress=not args.quiet)
+        if len(plans) == 1:   # what mokgen.compile() of the same spec finds through its warm-start index
+            driver.remember(driver.index_key(args.spec, arch, _overrides(args.set)), art, sources)
         _out(f"{spec.name} {arch}: {len(art.kernels)} kernel(s), {art.note or art.status or 'ready'}")
         _out(f"entry: {art.dir}")
         _out(f"library: {art.lib}")

@@ -12,6 +12,10 @@ first use) to the runtime (``mokgen.ops``, which imports none of them). The API 
   damaged entry is refused, the runtime library a pack installed is verified (sha256, DSL version).
 
 :func:`load_entry` loads a cache entry directory from its ``meta.json`` alone (no plan solver, no compiler).
+
+Warm start: :func:`compile` first asks the warm-start index (:mod:`mokgen.index`) whether the same call was
+resolved before; if so it loads that entry (verified) with the plan from its ``meta.json``, importing neither
+sympy, jinja2 nor the CuTe DSL. Every full resolution records its answer there.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import cache
-from .arch import resolve_arch
+from . import cache, index
+from .arch import ArchError, resolve_arch
 
 __all__ = ["CompilerMissingError", "compile", "resolve", "get_or_build", "load_entry", "prepare", "plan_for", "tuned",
            "PiecewiseMoE"]
@@ -95,14 +99,15 @@ def plan_for(spec: Any, arch: str, overrides: Any = None, *, use_tuned: bool = T
     return plan, (rec, pw, where)
 
 
-def prepare(spec: Any, arch: str | None = None, overrides: Any = None) -> tuple[Any, str, Any, Any]:
+def prepare(spec: Any, arch: str | None = None, overrides: Any = None, *, with_info: bool = False) -> tuple:
     """``(spec, arch, plan, sources)``: load_spec -> resolve_arch -> plan (the tuned one where the tuning
-    database has a record for this spec and GPU, see :func:`plan_for`) -> emit.emit."""
+    database has a record for this spec and GPU, see :func:`plan_for`) -> emit.emit. ``with_info``: also
+    :func:`plan_for`'s ``tuned_info`` (a fifth element)."""
     spec = _as_spec(spec)
     arch = resolve_arch(arch)
-    plan, _info = plan_for(spec, arch, overrides)
+    plan, info = plan_for(spec, arch, overrides)
     sources = importlib.import_module("mokgen.emit").emit(plan)
-    return spec, arch, plan, sources
+    return (spec, arch, plan, sources, info) if with_info else (spec, arch, plan, sources)
 
 
 class PiecewiseMoE:
@@ -247,10 +252,23 @@ def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: 
     CuTe DSL a cached (or unpacked) entry is still loaded; a miss raises :class:`CompilerMissingError` saying
     what is missing. ``force=True`` rebuilds (needs the DSL). ``overrides``: plan choices passed to
     :func:`mokgen.plan.solve` (a mapping, or ``"k=v,k=v"``; e.g. ``{"schedule": "chain"}``).
+
+    A call resolved before (same spec file bytes or spec, overrides, arch, mokgen sources and templates, DSL
+    install) is answered from the warm-start index (:mod:`mokgen.index`) without the plan solver, emit or the
+    DSL; the entry is verified as on every load. ``$MOKGEN_NO_WARM_START=1`` always takes the full way (which
+    still records its answer).
     """
-    spec = _as_spec(spec)
-    arch = resolve_arch(arch)
-    plan, info = plan_for(spec, arch, overrides)
+    given = spec
+    try:
+        arch = resolve_arch(arch)
+    except ArchError:
+        arch = None   # resolved again below, which raises it
+    key_doc = index_key(given, arch, overrides) if arch is not None else None
+    if key_doc is not None and not force and os.environ.get("MOKGEN_NO_WARM_START", "") in ("", "0"):
+        moe = _warm(key_doc, arch)
+        if moe is not None:
+            return moe
+    spec, arch, plan, sources, info = prepare(spec, arch, overrides, with_info=True)
     if info is not None and info[1] is not None and len(info[1].pieces) > 1:  # a tuned piecewise plan
         rec, pw, _where = info
         P = importlib.import_module("mokgen.plan")
@@ -261,12 +279,14 @@ def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: 
             p = P.solve(spec, arch, **piece.overrides)
             p = dataclasses.replace(p, notes=p.notes + (_tuned_note(rec, pw, piece),))
             pieces.append((piece.lo, piece.hi, _load(spec, arch, p, force)))
-        return PiecewiseMoE(pieces, pw)
-    return _load(spec, arch, plan, force)
+        return PiecewiseMoE(pieces, pw)   # not recorded in the warm-start index: several entries
+    return _load(spec, arch, plan, force, key_doc, sources)
 
 
-def _load(spec: Any, arch: str, plan: Any, force: bool) -> Any:
-    sources = importlib.import_module("mokgen.emit").emit(plan)
+def _load(spec: Any, arch: str, plan: Any, force: bool, key_doc: Mapping[str, Any] | None = None,
+          sources: Any = None) -> Any:
+    if sources is None:
+        sources = importlib.import_module("mokgen.emit").emit(plan)
     art = resolve(sources, arch, force=force)
     key = str(Path(art.dir).resolve())
     moe = None if force else _COMPILED.get(key)
@@ -274,6 +294,65 @@ def _load(spec: Any, arch: str, plan: Any, force: bool) -> Any:
         from .ops import CompiledMoE
 
         moe = _COMPILED[key] = CompiledMoE(spec, plan, Path(art.dir), arch=arch)
+    remember(key_doc, art, sources)
+    return moe
+
+
+def index_key(spec: Any, arch: str, overrides: Any = None) -> dict[str, Any] | None:
+    """:func:`mokgen.index.index_key`, or None when it fails (e.g. an unreadable template: no warm start; the full
+    way says what is wrong)."""
+    try:
+        return index.index_key(spec, arch, overrides)
+    except Exception:
+        return None
+
+
+def remember(key_doc: Mapping[str, Any] | None, art: cache.Artifacts, sources: Any) -> None:
+    """Record a full resolution (``sources`` -> ``art``) in the warm-start index under ``key_doc``
+    (:func:`mokgen.index.index_key`; None: nothing to record). :func:`compile` and ``mokgen compile`` call it."""
+    if key_doc is None:
+        return
+    from .ops import dsl_runtime_hint
+
+    index.remember(key_doc, art, exact=art.key == cache.key_for(sources, art.arch), runtime=dsl_runtime_hint())
+
+
+def _warm(key_doc: Mapping[str, Any], arch: str) -> Any:
+    """The :class:`mokgen.ops.CompiledMoE` of the entry the index names for ``key_doc``, or None (a miss: no
+    record, or an entry that is gone, damaged, re-keyed or whose runtime library does not check out; the full
+    resolution then decides, and says what is wrong)."""
+    compiler = _dsl_available()
+    hit = index.lookup(key_doc, compiler=compiler)
+    if hit is None:
+        return None
+    entry, rec = hit
+    try:
+        art = cache.load_artifacts(entry, status="cached", note="cached (warm-start index)")
+    except cache.DamagedEntryError as e:
+        if compiler or not entry.is_dir():
+            return None   # the full way rebuilds it (or finds that it is gone)
+        raise cache._damaged(entry, e.why) from None   # what the full way would raise here, without sympy
+    except Exception:
+        return None
+    try:
+        if art.key != rec["key"] or art.arch != arch or not isinstance(art.meta.get("plan"), Mapping):
+            return None
+        if not compiler:
+            _check_runtime_for(art)
+        from .plan import Plan
+
+        plan = Plan.from_dict(art.meta["plan"])
+    except Exception:
+        return None
+    key = str(Path(art.dir).resolve())
+    moe = _COMPILED.get(key)
+    if moe is None:
+        from .ops import CompiledMoE, dsl_runtime_hint
+
+        moe = _COMPILED[key] = CompiledMoE(plan.spec, plan, Path(art.dir), arch=arch, runtime_hint=rec.get("runtime"))
+        hint = dsl_runtime_hint()
+        if hint and hint != rec.get("runtime"):   # found by importing the DSL this time: keep it for next time
+            index.remember(key_doc, art, exact=bool(rec.get("exact")), runtime=hint)
     return moe
 
 

@@ -9,6 +9,7 @@ Pieces (docs/contract.md, "Device workspace and kernels" and "runtime"):
 * ``torch.ops.mokgen.moe_forward`` (inference) and ``torch.ops.mokgen.moe_forward_train`` (a custom op that
   also returns the per-call state the backward needs: z and the routing metadata) with its autograd formula,
   ``torch.ops.mokgen.moe_backward``: the generated backward kernels (:meth:`CompiledMoE.backward`), no host sync.
+  Registered on first use (:func:`register_ops`), not at import.
 * :class:`MoE`: an ``nn.Module`` owning the expert weights.
 * the driver (spec -> plan -> sources -> cache / build -> :class:`CompiledMoE`) is :mod:`mokgen.driver`; this
   module imports neither the compiler (plan, emit, build) nor the CuTe DSL.
@@ -51,6 +52,8 @@ __all__ = [
     "CompiledMoE",
     "Saved",
     "moe_forward",
+    "register_ops",
+    "dsl_runtime_hint",
     "MoE",
     "kernels_of",
     "uses_gather_kernel",
@@ -228,13 +231,31 @@ class Saved:
 _LOAD_LOCK = threading.Lock()
 _RUNTIME_HANDLES: dict[str, ctypes.CDLL] = {}
 _MODULES: dict[str, Any] = {}
+_DSL_RUNTIME: list[str] = []   # the runtime library step 2 of find_runtime_library found (see dsl_runtime_hint)
 
 
-def find_runtime_library(entry_dir: str | os.PathLike | None = None) -> str:
+def _file_id(path: str) -> dict[str, Any] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def dsl_runtime_hint() -> dict[str, Any] | None:
+    """``{path, size, mtime_ns}`` of the runtime library found in the CuTe DSL install in this process (None if
+    none was): the warm-start index keeps it so that a later process finds it without importing the DSL."""
+    return _file_id(_DSL_RUNTIME[0]) if _DSL_RUNTIME else None
+
+
+def find_runtime_library(entry_dir: str | os.PathLike | None = None, *,
+                         dsl_hint: Mapping[str, Any] | None = None) -> str:
     """Path of ``libcute_dsl_runtime.so``, searched in this order:
 
     1. ``$MOKGEN_RUNTIME_LIB`` (an explicit override);
-    2. the CuTe DSL install (``cutlass.cute.runtime.find_runtime_libraries``; importing the DSL takes seconds);
+    2. the CuTe DSL install (``cutlass.cute.runtime.find_runtime_libraries``; importing the DSL takes ~0.5 s),
+       or, where the DSL is installed, ``dsl_hint`` (what :func:`dsl_runtime_hint` said in an earlier process)
+       while that file still has its size and mtime: the DSL is then not imported;
     3. the copy a packed cache ships: ``<entry_dir>/../../runtime/libcute_dsl_runtime.so``.
     """
     env = os.environ.get("MOKGEN_RUNTIME_LIB")
@@ -244,11 +265,15 @@ def find_runtime_library(entry_dir: str | os.PathLike | None = None) -> str:
         return env
     dsl_note = "the CuTe DSL is not installed"
     if importlib.util.find_spec("cutlass") is not None:
+        if dsl_hint and isinstance(dsl_hint.get("path"), str) and _file_id(dsl_hint["path"]) == dict(dsl_hint):
+            _DSL_RUNTIME[:] = [dsl_hint["path"]]
+            return dsl_hint["path"]
         try:
             from cutlass.cute.runtime import find_runtime_libraries
 
             for p in find_runtime_libraries(enable_tvm_ffi=True):
                 if os.path.basename(p) == RUNTIME_LIB_NAME and os.path.isfile(p):
+                    _DSL_RUNTIME[:] = [p]
                     return p
             dsl_note = "the CuTe DSL install has no " + RUNTIME_LIB_NAME
         except Exception as exc:  # a broken DSL install must not hide a packed runtime
@@ -263,21 +288,22 @@ def find_runtime_library(entry_dir: str | os.PathLike | None = None) -> str:
         f"{RUNTIME_LIB_NAME}")
 
 
-def _load_runtime(entry_dir: str | os.PathLike | None) -> None:
+def _load_runtime(entry_dir: str | os.PathLike | None, dsl_hint: Mapping[str, Any] | None = None) -> None:
     if _RUNTIME_HANDLES:  # one runtime per process; the first one loaded serves every module
         return
-    path = find_runtime_library(entry_dir)
+    path = find_runtime_library(entry_dir, dsl_hint=dsl_hint)
     try:
         _RUNTIME_HANDLES[path] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
         raise LoadError(f"could not load {path}: {exc}") from exc
 
 
-def load_library(entry_dir: str | os.PathLike, kernels: tuple[str, ...] = KERNELS) -> dict[str, Callable[..., Any]]:
+def load_library(entry_dir: str | os.PathLike, kernels: tuple[str, ...] = KERNELS, *,
+                 runtime_hint: Mapping[str, Any] | None = None) -> dict[str, Callable[..., Any]]:
     """Load ``<entry_dir>/libmokgen.so`` and return ``{kernel name: tvm-ffi function}`` for ``kernels``.
 
-    Loads ``libcute_dsl_runtime.so`` with RTLD_GLOBAL first (see :func:`find_runtime_library`). A library is
-    loaded once per process and kept alive.
+    Loads ``libcute_dsl_runtime.so`` with RTLD_GLOBAL first (see :func:`find_runtime_library`, which takes
+    ``runtime_hint`` as its ``dsl_hint``). A library is loaded once per process and kept alive.
     """
     entry = Path(entry_dir)
     lib = entry / MODULE_LIB_NAME
@@ -285,7 +311,7 @@ def load_library(entry_dir: str | os.PathLike, kernels: tuple[str, ...] = KERNEL
         raise LoadError(f"{lib} not found: {entry} is not a built mokgen cache entry "
                         f"(expected {MODULE_LIB_NAME} and meta.json)")
     with _LOAD_LOCK:
-        _load_runtime(entry)
+        _load_runtime(entry, runtime_hint)
         key = str(lib.resolve())
         mod = _MODULES.get(key)
         if mod is None:
@@ -375,6 +401,7 @@ class CompiledMoE:
     ``CompiledMoE(spec, plan, entry_dir, arch=None)`` loads ``entry_dir/libmokgen.so``. ``functions=`` injects
     kernels instead (a mapping with the :data:`KERNELS`, e.g. ``reference.reference_kernels(spec, bm)``); with
     ``allow_cpu=True`` CPU tensors are accepted (tests). ``arch`` defaults to the entry's ``meta.json``.
+    ``runtime_hint``: see :func:`find_runtime_library` (``dsl_hint``).
 
     Every call owns its buffers: the forward's :class:`Workspace` and the training forward's :class:`Saved` are
     allocated per call from torch's caching allocator on the current stream, so one object serves any number of
@@ -385,7 +412,7 @@ class CompiledMoE:
 
     def __init__(self, spec: Any, plan: Any, entry_dir: str | os.PathLike | None = None, *,
                  arch: str | None = None, functions: Mapping[str, Callable[..., Any]] | None = None,
-                 allow_cpu: bool = False):
+                 allow_cpu: bool = False, runtime_hint: Mapping[str, Any] | None = None):
         self.spec = spec
         self.plan = plan
         self.cfg: LayerConfig = layer_config(spec)
@@ -403,7 +430,7 @@ class CompiledMoE:
         if functions is None:
             if self.entry_dir is None:
                 raise ValueError("CompiledMoE needs entry_dir (a built cache entry) or functions=")
-            functions = load_library(self.entry_dir, self.kernels)
+            functions = load_library(self.entry_dir, self.kernels, runtime_hint=runtime_hint)
         missing = [n for n in self.kernels if n not in functions]
         if missing:
             raise ValueError(f"functions lacks kernel(s) {missing}")
@@ -417,16 +444,23 @@ class CompiledMoE:
         self._sm_count: dict[tuple[str, int], int] = {}
         self._states: dict[torch.device, _DeviceState] = {}   # per device: sticky error flags, dummy bias
         self._warned_int64 = False
-        self.registry_id = next(_IDS)
-        _REGISTRY[self.registry_id] = self
+        self._registry_id = next(_IDS)
+        _REGISTRY[self._registry_id] = self
 
     def __repr__(self) -> str:
         return f"CompiledMoE({self.name!r}, arch={self.arch!r}, bm={self.bm}, entry={str(self.entry_dir)!r})"
 
+    @property
+    def registry_id(self) -> int:
+        """The id the ``torch.ops.mokgen.*`` ops take to find this object (registers the ops on first use:
+        :func:`register_ops`)."""
+        register_ops()
+        return self._registry_id
+
     def close(self) -> None:
         """Drop the per-device state and the registry entry (the custom op can no longer reach this object)."""
         self._states.clear()
-        _REGISTRY.pop(self.registry_id, None)
+        _REGISTRY.pop(self._registry_id, None)
 
     # ---- per-device state and errors --------------------------------------------------------------------------
 
@@ -811,25 +845,21 @@ _BWD_SCHEMA = ("(Tensor dy, Tensor x, Tensor topk_weight, Tensor w1, Tensor w2, 
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("mokgen::moe_forward", mutates_args=(), schema=_FWD_SCHEMA)
 def _moe_forward_op(x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
     return _lookup(moe_id)(x, topk_idx, topk_weight, w1, w2, b1, b2)
 
 
-@_moe_forward_op.register_fake
 def _moe_forward_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
     torch._check(x.dim() == 2, lambda: f"mokgen: x must be [T, H], got {x.dim()} dims")
     torch._check(topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0], lambda: "mokgen: topk_idx must be [T, K]")
     return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("mokgen::moe_forward_train", mutates_args=(), schema=_TRAIN_SCHEMA)
 def _moe_forward_train_op(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id):
     y, saved = _lookup(moe_id).forward_train(x, topk_idx, topk_weight, w1, w2, b1, b2)
     return (y, *saved.tensors())
 
 
-@_moe_forward_train_op.register_fake
 def _moe_forward_train_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id):
     moe = _lookup(moe_id)
     c = moe.cfg
@@ -841,7 +871,6 @@ def _moe_forward_train_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_gr
             e((4,), dtype=torch.int32), e((T, c.topk + c.shared_experts), dtype=torch.int32))
 
 
-@torch.library.custom_op("mokgen::moe_backward", mutates_args=("w1_main_grad", "w2_main_grad"), schema=_BWD_SCHEMA)
 def _moe_backward_op(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos,
                      w1_main_grad, w2_main_grad, moe_id):
     g = _lookup(moe_id).backward(dy, Saved(z, row_src, row_w, tile_group, meta, slot_pos), x, topk_weight, w1, w2,
@@ -852,7 +881,6 @@ def _moe_backward_op(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile
             g.b2 if g.b2 is not None else empty.clone())
 
 
-@_moe_backward_op.register_fake
 def _moe_backward_fake(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos,
                        w1_main_grad, w2_main_grad, moe_id):
     def like(t, absent):
@@ -880,15 +908,48 @@ def _backward(ctx, dy, *_unused):
             db1 if ctx.has_b1 else None, db2 if ctx.has_b2 else None, None, None, None)
 
 
-torch.library.register_autograd("mokgen::moe_forward_train", _backward, setup_context=_setup_context)
-
-
 def _inference_backward(ctx, dy):
     raise RuntimeError("mokgen: torch.ops.mokgen.moe_forward is the inference op; call mokgen.moe_forward "
                        "(or mokgen.MoE), which runs the training op when gradients are needed")
 
 
-torch.library.register_autograd("mokgen::moe_forward", _inference_backward, setup_context=lambda ctx, inputs, output: None)
+
+_OPS_LOCK = threading.Lock()
+_OPS: list[Any] = []   # the registered custom ops (empty until register_ops)
+_OPS_READY = False     # a plain bool: what dynamo sees (and guards on) when it traces register_ops
+
+
+def register_ops() -> None:
+    """Register ``torch.ops.mokgen.moe_forward`` / ``moe_forward_train`` / ``moe_backward`` (fake impls, autograd)
+    once per process. Called on first use (``CompiledMoE.registry_id``, which every caller of the ops passes;
+    :func:`moe_forward`; ``MoE()``), not at import: torch's custom-op registration costs ~10 ms, a fifth of a
+    warm start's budget, and a process that only loads kernels may never call through torch.ops."""
+    if _OPS_READY:
+        return
+    if torch.compiler.is_compiling():   # dynamo is tracing (so imported): register outside the graph
+        torch.compiler.disable(_register_ops)()
+    else:
+        _register_ops()
+
+
+def _register_ops() -> None:
+    global _OPS_READY
+    with _OPS_LOCK:
+        if _OPS_READY:
+            return
+        lib = torch.library
+        fwd = lib.custom_op("mokgen::moe_forward", mutates_args=(), schema=_FWD_SCHEMA)(_moe_forward_op)
+        fwd.register_fake(_moe_forward_fake)
+        train = lib.custom_op("mokgen::moe_forward_train", mutates_args=(), schema=_TRAIN_SCHEMA)(_moe_forward_train_op)
+        train.register_fake(_moe_forward_train_fake)
+        bwd = lib.custom_op("mokgen::moe_backward", mutates_args=("w1_main_grad", "w2_main_grad"),
+                            schema=_BWD_SCHEMA)(_moe_backward_op)
+        bwd.register_fake(_moe_backward_fake)
+        lib.register_autograd("mokgen::moe_forward_train", _backward, setup_context=_setup_context)
+        lib.register_autograd("mokgen::moe_forward", _inference_backward,
+                              setup_context=lambda ctx, inputs, output: None)
+        _OPS[:] = [fwd, train, bwd]
+        _OPS_READY = True
 
 
 def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: CompiledMoE,
@@ -897,6 +958,7 @@ def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: Comp
     training op runs (GEMM 1 also saves z; per-call routing metadata) and ``loss.backward()`` runs the generated
     backward kernels; otherwise the inference kernels. ``w1_main_grad`` / ``w2_main_grad`` (fp32, the weights'
     shapes): the weight gradients are added into them (Megatron-style) and w1 / w2 get no ``.grad``."""
+    register_ops()
     if not isinstance(moe, CompiledMoE) and hasattr(moe, "select"):  # a tuned piecewise plan: pick by T (host)
         moe = moe.select(x.shape[0])
     needs_grad = torch.is_grad_enabled() and any(
@@ -936,6 +998,7 @@ class MoE(torch.nn.Module):
         super().__init__()
         if dtype != torch.bfloat16:
             raise ValueError(f"mokgen.MoE: only bfloat16 expert weights are supported, got {dtype}")
+        register_ops()   # before any torch.compile tracing of this module
         self.spec = _as_spec(spec)
         self.cfg = layer_config(self.spec)
         self.arch = arch
@@ -968,10 +1031,15 @@ class MoE(torch.nn.Module):
     def compiled(self) -> CompiledMoE:
         """The kernels (compiled or loaded on first use; touch this before ``torch.compile`` tracing)."""
         if self._compiled is None:
-            self._compile()
+            if torch.compiler.is_compiling():
+                # dynamo is tracing (so it is imported): load outside the graph (a graph break; an error under
+                # fullgraph=True). Not a decorator on _compile: that would import torch._dynamo (and sympy) with
+                # this module, ~1 s on every process that only loads cached kernels.
+                torch.compiler.disable(MoE._compile)(self)
+            else:
+                self._compile()
         return self._compiled
 
-    @torch.compiler.disable
     def _compile(self) -> None:
         from .driver import compile as _driver_compile  # the compiler side, imported on first use
 

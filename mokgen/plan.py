@@ -3,7 +3,9 @@
 The kernels compute two expert-grouped GEMMs over the padded permuted row space (docs/contract.md):
 GEMM1 ``h = SwiGLU(x[rows] . w1ᵀ)`` (N = 2*ffn, K = hidden) and GEMM2 ``ys = h . w2ᵀ`` (N = hidden, K = ffn).
 The rules the sm_90a kernels impose are written as sympy expressions and solved for each candidate tile;
-a cost model ranks the candidates and `explain` prints the whole derivation with its numbers.
+a cost model ranks the candidates and `explain` prints the whole derivation with its numbers. sympy is
+imported on the first solve (:func:`_rules`), not with this module: the runtime rebuilds a plan from a cache
+entry's ``meta.json`` with :meth:`Plan.from_dict`, which needs none of it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ import dataclasses
 import functools
 import json
 import math
+import types
 from dataclasses import dataclass
 from typing import Any, Mapping
-
-import sympy as sp
 
 from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
 from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
@@ -100,18 +101,34 @@ SCHEDULES = _SPACE.values("schedule")
 RASTER_OVERRIDE_MAX = max(_SPACE.values("raster_group", "gemm1"))
 
 # ---- the rules, symbolically -------------------------------------------------------------------------------
-_smem, _epi, _bar = sp.symbols("smem_cta epi_bytes barrier_bytes", positive=True)
-_bm, _bn, _bk, _k, _n, _l2, _sms = sp.symbols("BM BN BK K N L2 C", positive=True)
-_stages, _raster, _chunk = sp.symbols("stages r T_chunk", positive=True)
+_RULES = ("STAGE_BYTES", "STAGES_FIT", "PANEL_BYTES", "RASTER_FIT", "CHUNK_MIN")
 
-STAGE_BYTES = ELEM_BYTES * _bk * (_bm + _bn)
-# stages * STAGE_BYTES + epilogue + barriers <= smem_per_cta
-STAGES_FIT = sp.solve(sp.Eq(_stages * STAGE_BYTES + _epi + _bar, _smem), _stages)[0]
-# the panel's A rows (r M tiles) plus the B tile streamed across them stay within half the L2
-PANEL_BYTES = ELEM_BYTES * _k * (_raster * _bm + _bn)
-RASTER_FIT = sp.solve(sp.Eq(PANEL_BYTES, _l2 / 2), _raster)[0]
-# MoK overlap: a chunk of T_chunk rows must hold >= 2 waves of tiles, (T_chunk/BM) * (N/BN) >= 2*C
-CHUNK_MIN = sp.solve(sp.Eq((_chunk / _bm) * (_n / _bn), 2 * _sms), _chunk)[0]
+
+@functools.lru_cache(maxsize=None)
+def _rules() -> types.SimpleNamespace:
+    """The symbols and rules (``STAGE_BYTES``, ``STAGES_FIT``, ``PANEL_BYTES``, ``RASTER_FIT``, ``CHUNK_MIN``;
+    also module attributes, e.g. ``plan.STAGES_FIT``), built on first use: sympy is imported here."""
+    import sympy as sp
+
+    r = types.SimpleNamespace(sp=sp)
+    r.smem, r.epi, r.bar = sp.symbols("smem_cta epi_bytes barrier_bytes", positive=True)
+    r.bm, r.bn, r.bk, r.k, r.n, r.l2, r.sms = sp.symbols("BM BN BK K N L2 C", positive=True)
+    r.stages, r.raster, r.chunk = sp.symbols("stages r T_chunk", positive=True)
+    r.STAGE_BYTES = ELEM_BYTES * r.bk * (r.bm + r.bn)
+    # stages * STAGE_BYTES + epilogue + barriers <= smem_per_cta
+    r.STAGES_FIT = sp.solve(sp.Eq(r.stages * r.STAGE_BYTES + r.epi + r.bar, r.smem), r.stages)[0]
+    # the panel's A rows (r M tiles) plus the B tile streamed across them stay within half the L2
+    r.PANEL_BYTES = ELEM_BYTES * r.k * (r.raster * r.bm + r.bn)
+    r.RASTER_FIT = sp.solve(sp.Eq(r.PANEL_BYTES, r.l2 / 2), r.raster)[0]
+    # MoK overlap: a chunk of T_chunk rows must hold >= 2 waves of tiles, (T_chunk/BM) * (N/BN) >= 2*C
+    r.CHUNK_MIN = sp.solve(sp.Eq((r.chunk / r.bm) * (r.n / r.bn), 2 * r.sms), r.chunk)[0]
+    return r
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RULES:
+        return getattr(_rules(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _epi_bytes() -> int:
@@ -124,18 +141,20 @@ def _tile_m(consumer: str) -> int:
 
 
 def _stage_bytes(bn: int, consumer: str = "cooperative") -> int:
-    return int(STAGE_BYTES.subs({_bk: BK, _bm: _tile_m(consumer), _bn: bn}))
+    r = _rules()
+    return int(r.STAGE_BYTES.subs({r.bk: BK, r.bm: _tile_m(consumer), r.bn: bn}))
 
 
 @functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
-def _stages_bound(arch: Arch, bn: int, consumer: str = "cooperative") -> sp.Rational:
-    values = {_smem: arch.smem_per_cta, _epi: _epi_bytes(), _bar: BARRIER_BYTES, _bk: BK, _bm: _tile_m(consumer),
-              _bn: bn}
-    return STAGES_FIT.subs(values)
+def _stages_bound(arch: Arch, bn: int, consumer: str = "cooperative") -> Any:
+    r = _rules()
+    values = {r.smem: arch.smem_per_cta, r.epi: _epi_bytes(), r.bar: BARRIER_BYTES, r.bk: BK,
+              r.bm: _tile_m(consumer), r.bn: bn}
+    return r.STAGES_FIT.subs(values)
 
 
 def _stages_fit(arch: Arch, bn: int, consumer: str = "cooperative") -> int:
-    return int(sp.floor(_stages_bound(arch, bn, consumer)))
+    return int(_rules().sp.floor(_stages_bound(arch, bn, consumer)))
 
 
 def _consumer_regs(arch: Arch) -> int:
@@ -150,21 +169,23 @@ def _acc_regs(bn: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
-def _raster_bound(arch: Arch, k: int, bn: int) -> sp.Rational:
-    return RASTER_FIT.subs({_l2: arch.l2_bytes, _k: k, _bm: BM, _bn: bn})
+def _raster_bound(arch: Arch, k: int, bn: int) -> Any:
+    r = _rules()
+    return r.RASTER_FIT.subs({r.l2: arch.l2_bytes, r.k: k, r.bm: BM, r.bn: bn})
 
 
 def _raster_group(arch: Arch, k: int, bn: int) -> int:
     """The largest power of two <= the L2 bound, capped at RASTER_MAX (1 if even one M tile overflows)."""
-    fit = int(sp.floor(_raster_bound(arch, k, bn)))
+    fit = int(_rules().sp.floor(_raster_bound(arch, k, bn)))
     return min(RASTER_MAX, 1 << max(0, fit.bit_length() - 1))
 
 
 @functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
 def _chunk_rows(arch: Arch, n_tiles: int, bm: int = BM) -> int:
     """Smallest multiple of bm whose row tiles times `n_tiles` reach 2 waves (N/BN = n_tiles, partial tile included)."""
-    rows = CHUNK_MIN.subs({_bm: bm, _bn: 1, _n: n_tiles, _sms: arch.sms})
-    return bm * int(sp.ceiling(rows / bm))
+    r = _rules()
+    rows = r.CHUNK_MIN.subs({r.bm: bm, r.bn: 1, r.n: n_tiles, r.sms: arch.sms})
+    return bm * int(r.sp.ceiling(rows / bm))
 
 
 def cap_rows(spec: Spec, bm: int, tokens: int) -> int:
@@ -735,9 +756,9 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
            f"{GATHER_MIN_GROUP_ROWS}): default {_gemm1_a_load(spec)} (gather = cp.async in GEMM 1's producer, "
            f"tma = gather kernel + TMA)"] if which == 1 else []),
         f"  bn = {g.bn}: {bn_rule}",
-        f"  smem per stage = {STAGE_BYTES} = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
+        f"  smem per stage = {_rules().STAGE_BYTES} = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
         f"barriers {BARRIER_BYTES} B",
-        f"  stages <= {STAGES_FIT} = {float(fit):.2f} -> stages = {g.stages} "
+        f"  stages <= {_rules().STAGES_FIT} = {float(fit):.2f} -> stages = {g.stages} "
         f"(range [{MIN_STAGES}, {MAX_STAGES}]; {used} of {arch.smem_per_cta} B smem)",
         f"  registers: accumulator {BM // CONSUMER_WGS}x{g.bn} / {WARPGROUP} threads = {_acc_regs(g.bn)} "
         f"+ {REG_OVERHEAD} <= {_consumer_regs(arch)} per consumer thread; "
@@ -745,7 +766,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         (f"  raster: one group's W = {_group_w_bytes(spec, which) / 2**20:.1f} MiB > L2/4 and routed groups of "
          f">= {GATHER_MIN_GROUP_ROWS} rows span several panels -> tall panels: raster_group = {g.raster_group}"
          if _tall_raster(spec, arch, which) else
-         f"  raster: {PANEL_BYTES} <= L2/2  =>  r <= {RASTER_FIT} = {float(r_fit):.2f} "
+         f"  raster: {_rules().PANEL_BYTES} <= L2/2  =>  r <= {_rules().RASTER_FIT} = {float(r_fit):.2f} "
          f"-> raster_group = {g.raster_group}"),
         f"  tiles = {_m_tiles(spec, g.bm) * (g.bm // g.tile_m)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "
         f"-> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
@@ -809,7 +830,7 @@ def explain(plan: Plan, top: int = 5) -> str:
         "",
         *_explain_gemm(spec, arch, 2, plan.gemm2, c2),
         "",
-        f"chunk (MoK overlap): (T_chunk/BM)*(N/BN) >= 2*C  =>  T_chunk >= {CHUNK_MIN}",
+        f"chunk (MoK overlap): (T_chunk/BM)*(N/BN) >= 2*C  =>  T_chunk >= {_rules().CHUNK_MIN}",
         f"  N/BN = min({plan.gemm1.n_tiles}, {plan.gemm2.n_tiles}) = {n_min}, C = {arch.sms}: "
         f"chunk_rows = {plan.bm} * ceil({2 * arch.sms}/{n_min}) = {plan.chunk_rows} "
         f"({plan.chunk_rows // plan.bm * n_min} tiles >= {2 * arch.sms})",

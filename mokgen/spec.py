@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -16,8 +17,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
-
-import yaml
 
 from .arch import ARCH_NAMES, ARCHS
 
@@ -119,8 +118,14 @@ def load_spec(src: str | os.PathLike | Mapping[str, Any]) -> Spec:
     """A `Spec` from a preset name (``"kimi-k2"``), a path to a .yaml/.yml file, or a mapping."""
     if isinstance(src, Mapping):
         return _from_mapping(src, DEFAULT_NAME)
+    return _load_file(spec_file(src))
+
+
+def spec_file(src: str | os.PathLike) -> Path:
+    """The YAML file :func:`load_spec` reads for ``src`` (a preset name or a path; not read here). The warm-start
+    index (``mokgen.index``) keys a spec given by name or path by this file's path and bytes."""
     if isinstance(src, os.PathLike) or (isinstance(src, str) and _looks_like_path(src)):
-        return _load_file(Path(src))
+        return Path(src)
     if isinstance(src, str):
         path = _PRESETS_DIR / f"{src}.yaml"
         if not path.is_file():
@@ -130,7 +135,7 @@ def load_spec(src: str | os.PathLike | Mapping[str, Any]) -> Spec:
             raise SpecError(
                 f"spec: unknown preset '{src}'; {hint}presets: {', '.join(names)} (or pass a path to a .yaml file)"
             )
-        return _load_file(path)
+        return path
     raise SpecError(f"spec: expected a preset name, a .yaml path or a mapping, got {type(src).__name__}")
 
 
@@ -147,23 +152,29 @@ def _looks_like_path(s: str) -> bool:
     return s.endswith((".yaml", ".yml")) or os.sep in s or "/" in s
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+@functools.lru_cache(maxsize=None)
+def _unique_key_loader() -> type:
     """yaml.SafeLoader that refuses a mapping with the same key twice (YAML says keys are unique; PyYAML
-    would silently keep the last one)."""
+    would silently keep the last one). yaml is imported here, when a file is read: ``Spec.from_dict`` (a
+    spec from a cache entry's meta.json) needs none of it."""
+    import yaml
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: dict[Any, int] = {}
-        for key_node, _value in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                hash(key)
-            except TypeError:
-                continue  # reported by the base class
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
+    class _UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _value in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # reported by the base class
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    return _UniqueKeyLoader
 
 
 def _load_file(path: Path) -> Spec:
@@ -178,8 +189,10 @@ def _load_file(path: Path) -> Spec:
     except UnicodeDecodeError as e:
         raise SpecError(f"spec: {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                         "save it as UTF-8") from None
+    import yaml
+
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_unique_key_loader())
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
