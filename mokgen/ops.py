@@ -714,29 +714,32 @@ class CompiledMoE:
         topk_idx = self.validate(x, topk_idx, topk_weight, w1, w2, b1, b2)
         num_ctas = self._num_ctas(x.device, num_ctas)
         c, T, dev = self.cfg, x.shape[0], x.device
-        y = torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
         sv = self.new_saved(T, dev)
         if T == 0:
-            return y, sv
+            return torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev), sv
         st = self._state(dev)
-        cap = sv.z.shape[0]
-        h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)
-        ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
-        dummy = st.dummy
         f = self._fns
+        # Host order: each kernel is launched as early as its inputs allow and host-side work (allocations, the
+        # error-flag fold) comes after the long kernels are queued, so the GPU does not wait for the host between
+        # the short routing kernel and GEMM 1 (bench/NOTES.md v7, tools/step_timeline.py).
         with self._stream(dev):
             call(f, "routing", idx=topk_idx, weight=topk_weight, row_src=sv.row_src, row_w=sv.row_w,
                  tile_group=sv.tile_group, meta=sv.meta, slot_pos=sv.slot_pos)
-            self._record_errors(st, sv.meta)
+            cap = sv.z.shape[0]
             a = x
             if self.gather:
                 a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=a)
+            h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)
+            dummy = st.dummy
             call(f, "gemm1_train", a=a, w=w1, bias=b1 if b1 is not None else dummy, row=sv.row_src,
                  tile_group=sv.tile_group, meta=sv.meta, out=h, z=sv.z, num_ctas=num_ctas)
+            ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=sv.row_w, tile_group=sv.tile_group,
                  meta=sv.meta, out=ys, num_ctas=num_ctas)
+            y = torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=ys, slot_pos=sv.slot_pos, y=y)
+            self._record_errors(st, sv.meta)
         return y, sv
 
     def _group_onehot(self, tile_group: torch.Tensor) -> torch.Tensor:
@@ -774,54 +777,58 @@ class CompiledMoE:
             return reference.Grads(z(x), z(topk_weight), z(w1) if w1_main_grad is None else None,
                                    z(w2) if w2_main_grad is None else None, None if b1 is None else z(b1),
                                    None if b2 is None else z(b2))
-        dx = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
-        dw1 = torch.empty_like(w1) if w1_main_grad is None else None
-        dw2 = torch.empty_like(w2) if w2_main_grad is None else None
         cap = saved.z.shape[0]
         tiles = cap // self.bm
-        onehot = self._group_onehot(saved.tile_group)
-        group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
-        torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
-        buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
-        dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
-        sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
-        ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
         dummy = self._state(dev).dummy
-        db2 = None
+        db2 = db1 = None
         f = self._fns
         sv = saved
+        # Host order: the first kernels go out before the host builds what only later kernels need, and the
+        # small torch reductions (router and bias gradients) are queued before the last two kernels, so the host
+        # is ahead of the GPU at the end of the step (bench/NOTES.md v7). Stream order keeps every dependency.
         with self._stream(dev):
+            buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
             call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
+            dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
+            sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
+            ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
             call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=sa,
                  z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
+            onehot = self._group_onehot(sv.tile_group)
+            group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
+            torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
             if b2 is not None:   # db2[g] = sum of s * dO over the group's rows (fixed order: per tile, then tiles)
                 part = torch.bmm(sv.row_w.view(tiles, 1, self.bm), buf.view(tiles, self.bm, H).float()).squeeze(1)
                 db2 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
+            dw2 = None
             if w2_main_grad is None:
+                dw2 = torch.empty_like(w2)
                 call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
             else:
                 call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
             call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=buf,
                  num_ctas=num_ctas)
+            dx = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=buf, slot_pos=sv.slot_pos, y=dx)
+            # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>
+            pos = sv.slot_pos[:, :K].long()
+            valid = pos >= 0
+            posc = pos.clamp(min=0)
+            dtw = ds.sum(1)[posc]
+            if b2 is not None:
+                grp = sv.tile_group.long()[posc // self.bm].clamp(min=0)
+                dtw = dtw + torch.gather(dy.float() @ b2.t(), 1, grp)
+            dtw = torch.where(valid, dtw, 0.0).to(topk_weight.dtype)
+            if b1 is not None:   # db1[g] = sum of dz over the group's rows
+                part = torch.sum(dz.view(tiles, self.bm, 2 * I), dim=1, dtype=torch.float32)
+                db1 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
             call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
+            dw1 = None
             if w1_main_grad is None:
+                dw1 = torch.empty_like(w1)
                 call(f, "wgrad1", a=dz, b=buf, group_start=group_start, out=dw1, num_ctas=num_ctas)
             else:
                 call(f, "wgrad1_acc", a=dz, b=buf, group_start=group_start, out=w1_main_grad, num_ctas=num_ctas)
-        # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>
-        pos = sv.slot_pos[:, :K].long()
-        valid = pos >= 0
-        posc = pos.clamp(min=0)
-        dtw = ds.sum(1)[posc]
-        if b2 is not None:
-            grp = sv.tile_group.long()[posc // self.bm].clamp(min=0)
-            dtw = dtw + torch.gather(dy.float() @ b2.t(), 1, grp)
-        dtw = torch.where(valid, dtw, 0.0).to(topk_weight.dtype)
-        db1 = None
-        if b1 is not None:   # db1[g] = sum of dz over the group's rows
-            part = torch.sum(dz.view(tiles, self.bm, 2 * I), dim=1, dtype=torch.float32)
-            db1 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
         return reference.Grads(dx, dtw, dw1, dw2, db1, db2)
 
     def _timeout_msg(self) -> str:
