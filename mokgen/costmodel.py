@@ -375,7 +375,9 @@ def piecewise(spec: Spec, arch: str, theta: Mapping[str, float], *, configs: Ite
     ``measured`` (from tune): ``{T: {"overrides": winner config, "ms": its median, "runner": {canonical
     config: ms}}}``; the winners decide which pieces exist (the same winner everywhere: one piece), and the
     fitted model's crossover of two neighbouring winners (sympy) places the breakpoint between their T points.
-    A neighbour's piece is kept only if, measured at its T, it beats the other winner by ``min_gain``.
+    A neighbour's piece is kept only if, measured at its T, it beats the other winner by ``min_gain`` or the other
+    winner is slower there than the untuned default (``"default_ms"``): the tuned plan is never slower than the
+    default at a tuned T.
 
     Without ``measured``: the lower envelope of the fitted model's lines over ``configs`` (default: the
     space's enumeration) on ``t_range``, breakpoints where the envelope changes hands (sympy), snapped to
@@ -397,7 +399,9 @@ def piecewise(spec: Spec, arch: str, theta: Mapping[str, float], *, configs: Ite
             if seq and seq[-1][1] != k:
                 # keep the change only if the new winner beats the previous winner by min_gain where measured
                 other = (measured[t].get("runner") or {}).get(seq[-1][1])
-                if other is not None and other < (1 + min_gain) * measured[t]["ms"]:
+                dflt = measured[t].get("default_ms")
+                # ... and never where that plan would be slower at T than the untuned default measured there
+                if other is not None and other < (1 + min_gain) * measured[t]["ms"] and (dflt is None or other <= dflt):
                     notes.append(f"T={t}: {_short(k)} measured {measured[t]['ms']:.4f} ms vs "
                                  f"{other:.4f} ms for the previous piece's plan (< {100 * min_gain:.0f}% apart): "
                                  "one piece")

@@ -328,8 +328,10 @@ def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DE
                 prog.step(f"T={t}: {w.label} failed verification ({v}); next candidate")
             else:
                 raise TuneError(f"T={t}: no candidate passed verification against the reference")
+            dflt = [c.median(t) for c in ready if t in c.defaults]
             measured[t] = {"overrides": w.cfg, "ms": w.median(t),
-                           "runner": {_key(c.cfg): c.median(t) for c in ready}}
+                           "runner": {_key(c.cfg): c.median(t) for c in ready},
+                           "default_ms": dflt[0] if dflt else None}
     finally:
         prog.close()
     # the refitted model places the breakpoints
@@ -341,7 +343,8 @@ def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DE
     pw = C.piecewise(spec, arch, fit1.theta, measured=measured)
     default_ms = {t: next(c.median(t) for c in ready if t in c.defaults) if any(t in c.defaults for c in ready)
                   else None for t in tokens}
-    tuned_ms = {t: pw.piece(t).measured_ms for t in tokens}
+    # the chosen piece's plan at each tuned T (a piece may serve T values other than the one it won at)
+    tuned_ms = {t: measured[t]["runner"].get(_key(pw.piece(t).overrides), pw.piece(t).measured_ms) for t in tokens}
     tune_s = time.monotonic() - t_start
     result: dict[str, Any] = {
         "spec": spec.name, "spec_dict": spec.to_dict(), "arch": arch, "gpu": gpu, "toolchain": tools,
