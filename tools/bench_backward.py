@@ -237,9 +237,20 @@ def _record(ctx, shape, dims, impl, res: dict[str, Any], flops: int, base_ms, li
 
 def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", device: torch.device, seed: int,
                 variants: list[dict[str, Any]] | None = None, rounds: int = 1, ref_dtype: str = "auto",
-                liger: tuple[Any, bool] | str | None = None) -> list[dict[str, Any]]:
+                liger: tuple[Any, bool] | str | None = None, settle_s: float = 0.0) -> list[dict[str, Any]]:
     """Records of one shape. ``liger``: (LigerFusedMoEFunction-like, autotune) or an error string (import
-    failed) or None (not requested)."""
+    failed) or None (not requested). ``settle_s``: run each callable back to back this long before timing it, so
+    every implementation is timed in its own sustained regime, not in the one its predecessor left."""
+    base_timer = timer
+
+    def timer(fn):  # noqa: F811 - the settled timer
+        if settle_s > 0 and device.type == "cuda":
+            end = time.perf_counter() + settle_s
+            while time.perf_counter() < end:
+                fn()
+            torch.cuda.synchronize(device)
+        return base_timer(fn)
+
     shape = spec.name
     dims = BF.spec_dims(spec)
     flops = BF.spec_flops(spec)
@@ -258,7 +269,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
         torch.cuda.synchronize()
     ref_s = time.perf_counter() - t0
     extra = dict(grad_ref=f"mokgen.reference.backward {str(rdt).replace('torch.', '')} on {device.type}",
-                 liger_autotune=liger[1] if isinstance(liger, tuple) else None, timing=timer.method)
+                 liger_autotune=liger[1] if isinstance(liger, tuple) else None,
+                 timing=base_timer.method + (f", settled {settle_s:g} s before each timing" if settle_s > 0 else ""))
     _log(f"[{shape}] reference ({extra['grad_ref']}) {ref_s:.1f}s")
 
     # the leaves: the input tensors themselves (make_inputs' tensors are leaves without grad)
@@ -510,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="time every implementation this many times, "
                     "interleaved, and record the medians of the rounds (default 1)")
+    ap.add_argument("--settle-s", type=float, default=0.0, help="run each implementation back to back this many "
+                    "seconds before each timing (its own sustained clock regime, not its predecessor's; default 0)")
     ap.add_argument("--variants", default=None, help="extra mokgen plans, as bench_forward's --variants "
                     "(recorded as impl 'mokgen[k=v,...]')")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny specs, CPU-capable implementations only")
@@ -575,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, spec in enumerate(specs):
         records += bench_shape(spec, impls, ctx, timer, device, args.seed + i,
                                variants=[] if device.type == "cpu" else BF.parse_variants(args.variants),
-                               rounds=max(1, args.rounds), ref_dtype=args.ref_dtype, liger=liger)
+                               rounds=max(1, args.rounds), ref_dtype=args.ref_dtype, liger=liger,
+                               settle_s=args.settle_s)
         BF._free(device)
     _log(f"total {time.perf_counter() - t_start:.1f}s")
     print_table(records, f"MoE forward+backward, {ctx['gpu']} ({timer.method})")
