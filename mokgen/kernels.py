@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "names", "call", "bind", "signature"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
 CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32"}
@@ -195,8 +195,3 @@ def bind(kernel: str, impl: Callable[..., None], table: str | None = None) -> Ca
     step.__name__ = f"ref_{kernel}"
     step.__qualname__ = step.__name__
     return step
-
-
-def signature(kernel: str) -> str:
-    """``name: type,  # doc`` lines of a launch signature (docs and templates)."""
-    return "\n".join(f"{a.name}: {a.cute_type},  # {a.doc}" for a in ARGS[kernel])
