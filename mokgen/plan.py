@@ -700,6 +700,9 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if schedule == "fused":
             raise PlanError(f"plan.{key}: the fused kernel's epilogue staging is fixed (32 columns, 2 buffers)")
         for which, g in gemms.items():
+            cols = g.bn // 2 if which == 1 else g.bn   # GEMM 1's tile holds bn/2 output columns (gate, up)
+            if key == "epi_n" and cols % v:
+                raise PlanError(f"plan.{key}: {v} does not divide GEMM {which}'s {cols} output columns per tile")
             g = dataclasses.replace(g, **{key: v})
             # more epilogue smem: fewer stages where the ring no longer fits
             while g.smem_bytes(g.bn) > a.smem_per_cta and g.stages > MIN_STAGES:
