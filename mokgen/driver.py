@@ -80,6 +80,22 @@ def _tuned_note(rec: Any, pw: Any, piece: Any) -> str:
             f"{len(pw.pieces)}")
 
 
+def tuned_plan(spec: Any, arch: str, rec: Any, pw: Any, piece: Any) -> Any:
+    """The plan of a tuning record's piece: its forward overrides and the record's tuned backward overrides
+    (``mokgen tune --train``: the ``backward`` section; records without one give the solver's backward), the
+    notes naming the record."""
+    import dataclasses
+
+    P = importlib.import_module("mokgen.plan")
+    bwd = dict((rec.get("backward") or {}).get("overrides") or {})
+    plan = P.solve(spec, arch, **piece.overrides, **bwd)
+    notes = (_tuned_note(rec, pw, piece),)
+    if "backward" in rec:
+        ov = ",".join(f"{k}={v}" for k, v in sorted(bwd.items())) or "the solver's default"
+        notes += (f"tuned backward: record {rec['key'][:16]} (tune --train {rec['backward'].get('date', '')}): {ov}",)
+    return dataclasses.replace(plan, notes=plan.notes + notes)
+
+
 def plan_for(spec: Any, arch: str, overrides: Any = None, *, use_tuned: bool = True) -> tuple[Any, Any]:
     """``(plan, tuned_info)``: with no overrides and a tuning record, the record's piece for ``spec.tokens``
     (its note names the record); else the solver's plan. ``tuned_info`` is ``(record, PiecewisePlan, path)`` or
@@ -91,12 +107,7 @@ def plan_for(spec: Any, arch: str, overrides: Any = None, *, use_tuned: bool = T
     rec, pw, where = tuned(spec, arch)
     if rec is None:
         return P.solve(spec, arch), (None, None, where)
-    piece = pw.piece(spec.tokens)
-    plan = P.solve(spec, arch, **piece.overrides)
-    import dataclasses
-
-    plan = dataclasses.replace(plan, notes=plan.notes + (_tuned_note(rec, pw, piece),))
-    return plan, (rec, pw, where)
+    return tuned_plan(spec, arch, rec, pw, pw.piece(spec.tokens)), (rec, pw, where)
 
 
 def prepare(spec: Any, arch: str | None = None, overrides: Any = None, *, with_info: bool = False) -> tuple:
@@ -271,14 +282,8 @@ def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: 
     spec, arch, plan, sources, info = prepare(spec, arch, overrides, with_info=True)
     if info is not None and info[1] is not None and len(info[1].pieces) > 1:  # a tuned piecewise plan
         rec, pw, _where = info
-        P = importlib.import_module("mokgen.plan")
-        import dataclasses
-
-        pieces = []
-        for piece in pw.pieces:
-            p = P.solve(spec, arch, **piece.overrides)
-            p = dataclasses.replace(p, notes=p.notes + (_tuned_note(rec, pw, piece),))
-            pieces.append((piece.lo, piece.hi, _load(spec, arch, p, force)))
+        pieces = [(piece.lo, piece.hi, _load(spec, arch, tuned_plan(spec, arch, rec, pw, piece), force))
+                  for piece in pw.pieces]
         return PiecewiseMoE(pieces, pw)   # not recorded in the warm-start index: several entries
     return _load(spec, arch, plan, force, key_doc, sources)
 

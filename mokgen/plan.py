@@ -291,11 +291,32 @@ class BackwardPlan:
         return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS})
 
 
-def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int) -> GemmPlan:
-    """Cooperative 128-row tiles; the widest tile N that divides N and fits (dgrad1's dSwiGLU epilogue needs
-    whole tiles of I: it reads z and writes dz per column)."""
+def _backward_bn_problem(spec: Spec, arch: Arch, name: str, bn: Any) -> str | None:
+    """Why tile N `bn` cannot be used for backward GEMM `name`, or None: one of the tile N choices whose
+    accumulator fits the registers and whose ring fits MIN_STAGES stages; dgrad1's dSwiGLU epilogue also needs
+    whole tiles of I (it reads z and writes dz per column). dgrad2 and the wgrads may end on a partial N tile
+    (TMA boxes are clipped at the extents; the wgrads' fp32 main_grad epilogue predicates its columns)."""
+    if (why := _gemm_problem(spec, arch, 2, bn)) is not None:
+        return why
+    if name == "dgrad1" and spec.ffn % bn:
+        return f"dgrad1's dSwiGLU epilogue needs whole tiles of ffn: {spec.ffn} % {bn} = {spec.ffn % bn}"
+    return None
+
+
+def _stages_most(arch: Arch, g: GemmPlan) -> int:
+    """The most pipeline stages (capped at MAX_STAGES) whose ring, with `g`'s epilogue buffers and the barriers,
+    fits the CTA's shared memory (GemmPlan.smem_bytes)."""
+    fixed = dataclasses.replace(g, stages=0).smem_bytes()
+    return min(MAX_STAGES, (arch.smem_per_cta - fixed) // ((g.tile_m + g.bn) * g.bk * ELEM_BYTES))
+
+
+def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = None) -> GemmPlan:
+    """Cooperative 128-row tiles; by default the widest tile N that divides N and fits (dgrad1's dSwiGLU epilogue
+    needs whole tiles of I: it reads z and writes dz per column); `bn` (an override, checked by the caller with
+    :func:`_backward_bn_problem`) replaces it, and the stages, raster and z chunk follow from it by the same rules."""
     m, n, k = backward_shape(spec, name)
-    bn = next(b for b in BWD_BN_CHOICES if n % b == 0 and _gemm_problem(spec, arch, 2, b) is None)
+    if bn is None:
+        bn = next(b for b in BWD_BN_CHOICES if n % b == 0 and _gemm_problem(spec, arch, 2, b) is None)
     g = GemmPlan(
         bm=bm if k is not None else BM, bn=bn, bk=BK,
         stages=min(MAX_STAGES, _stages_fit(arch, bn)),
@@ -712,25 +733,57 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             gemms[which] = g
     forced = ", ".join(f"{k}={overrides[k]}" for k in sorted(overrides))
     plan = _make_plan(spec, a, gemms[1], gemms[2], (f"overrides: {forced}",), schedule=schedule)
-    bwd = {}
+    return _backward_overrides(spec, a, plan, overrides)
+
+
+def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str, Any]) -> Plan:
+    """The backward GEMMs' overrides on a solved plan, in this order (each later one on the result of the earlier):
+    ``<kernel>_bn`` (rebuilds the GEMM's plan by the default rules for that tile N: stages, raster, dgrad1's z
+    chunk = min(Z_CHUNK, bn / 4)), ``dgrad*_consumer`` (stages refit), ``<kernel>_stages`` (within what fits),
+    ``dgrad1_z_chunk``, ``wgrad*_raster_group``."""
+    bwd = {n: getattr(plan.backward, n) for n in BACKWARD_GEMMS}
+    changed = False
+    for name in BACKWARD_GEMMS:
+        key = f"{name}_bn"
+        if key in overrides:
+            bn = overrides[key]
+            if (why := _backward_bn_problem(spec, a, name, bn)) is not None:
+                raise PlanError(f"plan.{key}: {why}")
+            bwd[name], changed = _backward_gemm(spec, a, name, plan.bm, bn), True  # consumer: the routing tile's
     for name in ("dgrad1", "dgrad2"):
         key = f"{name}_consumer"
         if key in overrides:
             if overrides[key] not in CONSUMERS:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {overrides[key]!r}")
-            g = getattr(plan.backward, name)
+            g = bwd[name]
             if overrides[key] == "cooperative" and g.bm < BM:
                 raise PlanError(f"plan.{key}: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
-            bwd[name] = _with_consumer(a, g, overrides[key])
+            bwd[name], changed = _with_consumer(a, g, overrides[key]), True
+    for name in BACKWARD_GEMMS:
+        key = f"{name}_stages"
+        if key in overrides:
+            g = bwd[name]
+            stages, most = _int_override(key, overrides[key]), _stages_most(a, g)
+            if not MIN_STAGES <= stages <= most:
+                raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {most}] for {name} bn {g.bn} "
+                                f"({g.consumer}) on {a.name}, got {stages}")
+            bwd[name], changed = dataclasses.replace(g, stages=stages), True
     if "dgrad1_z_chunk" in overrides:
-        g = bwd.get("dgrad1", plan.backward.dgrad1)
+        g = bwd["dgrad1"]
         zc = _int_override("dgrad1_z_chunk", overrides["dgrad1_z_chunk"])
         legal = _SPACE.values("z_chunk", "dgrad1")
         if zc not in legal or (g.bn // 4) % zc:
             raise PlanError(f"plan.dgrad1_z_chunk: must be one of {', '.join(map(str, legal))} dividing the "
                             f"{g.bn // 4} z pairs a thread holds (dgrad1 bn {g.bn}), got {zc}")
-        bwd["dgrad1"] = dataclasses.replace(g, z_chunk=zc)
-    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **bwd)) if bwd else plan
+        bwd["dgrad1"], changed = dataclasses.replace(g, z_chunk=zc), True
+    for name in ("wgrad1", "wgrad2"):
+        key = f"{name}_raster_group"
+        if key in overrides:
+            r, most = _int_override(key, overrides[key]), max(_SPACE.values("raster_group", name))
+            if not 1 <= r <= most:
+                raise PlanError(f"plan.{key}: must be in [1, {most}], got {r}")
+            bwd[name], changed = dataclasses.replace(bwd[name], raster_group=r), True
+    return dataclasses.replace(plan, backward=BackwardPlan(**bwd)) if changed else plan
 
 
 # ---- explain -----------------------------------------------------------------------------------------------

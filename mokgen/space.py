@@ -65,6 +65,8 @@ class ArchSpace:
 
 
 _FWD = ("gemm1", "gemm2")
+_BWD = ("dgrad1", "dgrad2", "wgrad1", "wgrad2")  # the backward GEMMs (mokgen.plan.BACKWARD_GEMMS)
+_WGRAD = ("wgrad1", "wgrad2")
 _BN = (64, 128, 192, 256)
 _MIN_STAGES, _MAX_STAGES = 3, 7
 _RASTER_MAX = 64
@@ -92,10 +94,17 @@ SM90 = ArchSpace(
              doc="L2 eviction priority of TMA-loaded A tiles"),
         Knob("schedule", ("plan",), ("chain", "fused"), search=("chain", "fused"),
              doc="four launches, or routing + one persistent kernel"),
-        Knob("consumer", ("dgrad1", "dgrad2"), ("cooperative", "pingpong"),
+        Knob("consumer", ("dgrad1", "dgrad2"), ("cooperative", "pingpong"), search=("cooperative", "pingpong"),
              doc="backward dgrad GEMMs' consumer mode (derived from the routing tile)"),
-        Knob("z_chunk", ("dgrad1",), (4, 8, 16, 32), search=None,
+        Knob("z_chunk", ("dgrad1",), (4, 8, 16, 32), search=(8, 16, 32),
              doc="dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (registers)"),
+        Knob("bn", _BWD, _BN, search=_BN,
+             doc="backward GEMMs' tile N; derived: the widest dividing N that fits (dgrad1: must divide ffn, and "
+                 "its z chunk follows as min(16, bn/4))"),
+        Knob("stages", _BWD, tuple(range(_MIN_STAGES, _MAX_STAGES + 1)), search=(4, 5, 6),
+             doc="backward GEMMs' pipeline stages; derived: as many as fit the shared memory (capped)"),
+        Knob("raster_group", _WGRAD, tuple(range(1, _RASTER_MAX + 1)), search=(2, 4, 16),
+             doc="wgrad: output M tiles per raster panel (derived: 8)"),
         Knob("epi_n", ("plan",), (32, 64), search=None,
              doc="columns per epilogue slice of the forward GEMMs (smem staging before the TMA store); 64 and 32 "
                  "measured within 1%"),
@@ -180,6 +189,39 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
             out.append("gemm1_a_load: the fused template gathers its rows itself")
     if cfg.get("gemm1_a_load", "tma") != "tma" and "gemm1_a_hint" in cfg and cfg["gemm1_a_hint"] != "normal":
         out.append("gemm1_a_hint: GEMM 1 does not load A by TMA boxes of a tile")
+    if out or not any(backward_kernel(k) in _BWD for k in cfg):
+        return out
+    return _check_backward_config(spec, arch, cfg)
+
+
+def _check_backward_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
+    """The backward GEMMs' knobs of ``cfg``: tile N (dgrad1: dividing ffn, with a z chunk dividing bn / 4), the
+    consumer mode against the routing tile, stages within what fits the tile's shared memory."""
+    from . import plan as P
+
+    a = P.get_arch(arch)
+    out: list[str] = []
+    # the routing tile (64 rows when both forward GEMMs ping-pong): the forward part of cfg, solved
+    try:
+        bm = P.solve(spec, arch, **{k: v for k, v in cfg.items() if backward_kernel(k) not in _BWD}).bm
+    except P.PlanError as e:
+        return [str(e).removeprefix("plan.")]
+    for name in P.BACKWARD_GEMMS:
+        bn = cfg.get(f"{name}_bn")
+        if bn is not None and (why := P._backward_bn_problem(spec, a, name, bn)):
+            out.append(f"{name}_bn: {why}")
+            continue
+        g = P._backward_gemm(spec, a, name, bm, bn)
+        consumer = cfg.get(f"{name}_consumer", g.consumer)
+        if consumer == "cooperative" and g.bm < P.BM:
+            out.append(f"{name}_consumer: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
+            continue
+        g = P._with_consumer(a, g, consumer)
+        if f"{name}_stages" in cfg and cfg[f"{name}_stages"] > (most := P._stages_most(a, g)):
+            out.append(f"{name}_stages: {cfg[f'{name}_stages']} > {most} that fit with bn {g.bn} ({consumer})")
+        if name == "dgrad1" and "dgrad1_z_chunk" in cfg and (g.bn // 4) % cfg["dgrad1_z_chunk"]:
+            out.append(f"dgrad1_z_chunk: {cfg['dgrad1_z_chunk']} does not divide the {g.bn // 4} z pairs a thread "
+                       f"holds (dgrad1 bn {g.bn})")
     return out
 
 
@@ -228,12 +270,58 @@ def check_plan(plan: Any) -> list[str]:
             out.append(f"{name}: {tile_m}-row tiles do not divide the routing tile {plan.bm}")
         if g.a_hint != "normal" and g.a_load != "tma":
             out.append(f"{name}.a_hint {g.a_hint!r} but A is not loaded by TMA tiles")
+    if plan.backward is not None:
+        out += _check_backward_plan(plan)
     if plan.schedule == "fused":
         g1, g2 = plan.gemm1, plan.gemm2
         if g1.bn != g2.bn or spec.hidden % g2.bn or g1.a_load != "gather":
             out.append("fused: needs gemm1.bn == gemm2.bn dividing hidden and the gathered A path")
         if "pingpong" in (g1.consumer, g2.consumer) or 2 in (g1.cluster, g2.cluster):
             out.append("fused: cooperative tiles, cluster 1 only")
+    return out
+
+
+def _check_backward_plan(plan: Any) -> list[str]:
+    """check_plan's part for the backward GEMMs (what templates/sm90/grouped_gemm.py.j2 and wgrad.py.j2 need)."""
+    from . import plan as P
+
+    sp_ = space(plan.arch)
+    a = P.get_arch(plan.arch)
+    spec = plan.spec
+    out: list[str] = []
+    for name in P.BACKWARD_GEMMS:
+        g = getattr(plan.backward, name)
+        where = f"backward.{name}"
+        m, n, k = P.backward_shape(spec, name)
+        if g.bn not in sp_.values("bn", name):
+            out.append(f"{where}.bn {g.bn} not in the space")
+            continue
+        if not sp_.min_stages <= g.stages <= sp_.max_stages:
+            out.append(f"{where}.stages {g.stages} outside [{sp_.min_stages}, {sp_.max_stages}]")
+        if g.smem_bytes() > a.smem_per_cta:
+            out.append(f"{where}: {g.stages} stages need {g.smem_bytes()} B of shared memory > {a.smem_per_cta}")
+        if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
+            out.append(f"{where}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "
+                       f"{P._consumer_regs(a)}")
+        if g.bn % g.epi_n or g.bk != sp_.bk or g.a_load != "tma":
+            out.append(f"{where}: bn {g.bn} / epi_n {g.epi_n} / bk {g.bk} / a_load {g.a_load!r} do not fit the template")
+        if g.n_tiles != -(-n // g.bn) or g.k_tiles != ((k // g.bk) if k is not None else 0):
+            out.append(f"{where}: k_tiles/n_tiles do not match N {n}, K {k}")
+        if k is not None:  # a dgrad: rows of the padded row space, tiles inside one routing tile
+            if g.consumer not in sp_.values("consumer", name):
+                out.append(f"{where}.consumer {g.consumer!r} not in the space")
+            if g.bm != plan.bm or plan.bm % g.tile_m:
+                out.append(f"{where}: {g.tile_m}-row tiles on {g.bm}-row groups, routing tile {plan.bm}")
+        else:  # a wgrad: one 128-row cooperative output tile, RASTER output M tiles per panel
+            if g.bm != sp_.bm or g.consumer != "cooperative":
+                out.append(f"{where}: the wgrad template takes 128-row cooperative tiles, got {g.bm} {g.consumer}")
+            if g.raster_group not in sp_.values("raster_group", name):
+                out.append(f"{where}.raster_group {g.raster_group} not in the space")
+    d1 = plan.backward.dgrad1
+    if spec.ffn % d1.bn:
+        out.append(f"backward.dgrad1.bn {d1.bn}: ffn {spec.ffn} % {d1.bn} != 0 (the dSwiGLU epilogue)")
+    if d1.z_chunk not in sp_.values("z_chunk", "dgrad1") or (d1.bn // 4) % d1.z_chunk:
+        out.append(f"backward.dgrad1.z_chunk {d1.z_chunk} not in the space or not dividing bn/4 = {d1.bn // 4}")
     return out
 
 
@@ -267,4 +355,43 @@ def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] = S
                                                                                   "gather", 1):
                 continue
         if not check_config(spec, arch, cfg):
+            yield cfg
+
+
+# The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
+# GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
+# composed afterwards and the composition is timed too).
+BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_chunk", "dgrad1_stages",
+                        "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
+                        "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group",
+                        "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group")
+
+
+def backward_kernel(key: str) -> str:
+    """The backward GEMM an override key belongs to (``"wgrad1_raster_group"`` -> ``"wgrad1"``)."""
+    return key.partition("_")[0]
+
+
+def enumerate_backward_configs(spec: Any, arch: str = "sm_90a", fixed: Mapping[str, Any] | None = None,
+                               axes: tuple[str, ...] = BACKWARD_SEARCH_AXES) -> Iterator[dict[str, Any]]:
+    """The backward variants of the plan ``solve(spec, arch, **fixed)``: one override ``{axis: value}`` per
+    axis and search value that passes :func:`check_config` together with ``fixed`` and changes the solved
+    backward plan (a value equal to the derived one is the base itself; two keys giving the same plan are
+    yielded once). Every variant solves to a plan that passes :func:`check_plan` (tested on every preset)."""
+    from . import plan as P
+
+    fixed = dict(fixed or {})
+    sp_ = space(arch)
+    base = P.solve(spec, arch, **fixed).backward
+    seen = {base}
+    for axis in axes:
+        kernel, _, key = axis.partition("_")
+        for value in sp_.knob(key, kernel).search or ():
+            cfg = {axis: value}
+            if check_config(spec, arch, {**fixed, **cfg}):
+                continue
+            bwd = P.solve(spec, arch, **fixed, **cfg).backward
+            if bwd in seen:
+                continue
+            seen.add(bwd)
             yield cfg

@@ -38,7 +38,8 @@ from . import space as S
 from . import tunedb
 from .spec import Spec, load_spec
 
-__all__ = ["Candidate", "TuneError", "tune", "main", "config_of", "select_candidates", "CudaTimer", "time_rounds"]
+__all__ = ["Candidate", "TuneError", "tune", "main", "config_of", "select_candidates", "CudaTimer", "time_rounds",
+           "tune_train", "TrainStep", "time_rounds_settled", "verify_train_gpu", "train_inputs"]
 
 DEFAULT_BUDGET_MIN = 5.0
 DEFAULT_TOP = 4
@@ -143,9 +144,9 @@ class CudaTimer:
         self.warmup_s = warmup_s
         self.reps = reps
 
-    def sustain(self, fns: Sequence[Callable[[], Any]]) -> None:
+    def sustain(self, fns: Sequence[Callable[[], Any]], seconds: float | None = None) -> None:
         t0 = time.monotonic()
-        while time.monotonic() - t0 < self.warmup_s:
+        while time.monotonic() - t0 < (self.warmup_s if seconds is None else seconds):
             for f in fns:
                 f()
             self.torch.cuda.synchronize()
@@ -372,6 +373,279 @@ def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DE
     return result
 
 
+# ---- tune --train: the backward GEMMs' knobs, timed as whole training steps -------------------------------------
+TRAIN_SETTLE_S = 0.5  # each candidate runs back to back this long before each of its timings (its own sustained regime)
+
+
+class TrainStep:
+    """One training step of a candidate: ``mokgen.moe_forward`` + ``.backward(dy)`` under autograd (the leaves'
+    grads reset first), as tools/bench_backward.py and tools/graph_vs_eager.py time it."""
+
+    def __init__(self, label: str, moe: Any, inp: Sequence[Any]):
+        self.label, self.moe, self.inp = label, moe, inp
+
+    def grads(self) -> tuple[Any, ...]:
+        x, _idx, tw, w1, w2, b1, b2, _dy = self.inp
+        return tuple(t.grad if t is not None else None for t in (x, tw, w1, w2, b1, b2))
+
+    def __call__(self) -> None:
+        import mokgen
+
+        x, idx, tw, w1, w2, b1, b2, dy = self.inp
+        for t in (x, tw, w1, w2, b1, b2):
+            if t is not None:
+                t.grad = None
+        mokgen.moe_forward(x, idx, tw, w1, w2, b1, b2, moe=self.moe).backward(dy)
+
+
+def train_inputs(spec: Spec, t: int, device: str = "cuda", seed: int = 0) -> tuple[Any, ...]:
+    """(x, topk_idx, topk_weight, w1, w2, b1, b2, dy) at T = t: the float inputs are leaves requiring grad."""
+    import torch
+
+    from . import reference
+
+    inp = reference.random_inputs(C.with_tokens(spec, t), tokens=t, device=device, seed=seed)
+    leaf = lambda v: v.detach().clone().requires_grad_(True) if v is not None else None  # noqa: E731
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    dy = torch.randn(t, spec.hidden, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    return (leaf(inp.x), inp.topk_idx, leaf(inp.topk_weight), leaf(inp.w1), leaf(inp.w2), leaf(inp.b1),
+            leaf(inp.b2), dy)
+
+
+def verify_train_gpu(spec: Spec, moe: Any, inp: Sequence[Any]) -> dict[str, Any]:
+    """A candidate's gradients against the float32 reference (relative error of each <= VERIFY_TOL) and against
+    themselves on a rerun (the same bits)."""
+    import torch
+
+    from . import reference
+
+    step = TrainStep("verify", moe, inp)
+    step()
+    first = [g.detach().clone() if g is not None else None for g in step.grads()]
+    step()
+    again = step.grads()
+    x, idx, tw, w1, w2, b1, b2, dy = inp
+    det = lambda v: v.detach() if v is not None else None  # noqa: E731
+    ref = reference.backward(dy, det(x), idx, det(tw), det(w1), det(w2), spec, det(b1), det(b2),
+                             dtype=torch.float32)
+    errs, finite = {}, True
+    for name, g, r in zip(reference.Grads._fields, first, ref):
+        if r is None:
+            continue
+        if g is None:
+            errs[name] = float("inf")
+            continue
+        errs[name] = reference.rel_err(g.float(), r.float())
+        finite = finite and bool(torch.isfinite(g.float()).all())
+    bitwise = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                  for a, b in zip(first, again))
+    worst = max(errs.values()) if errs else float("inf")
+    return {"rel_err": worst, "rel_errs": errs, "bitwise_rerun": bitwise,
+            "ok": worst <= VERIFY_TOL and bitwise and finite}
+
+
+def time_rounds_settled(fns: Mapping[str, Callable[[], Any]], timer: Any, rounds: int, settle_s: float,
+                        on_round: Callable[[int], None] | None = None) -> dict[str, list[float]]:
+    """Interleaved rounds (every function once per round, the order rotated), each function run back to back for
+    ``settle_s`` seconds right before its timing (``timer.sustain``, where the timer has one): each is timed in
+    its own sustained regime, not in the one the previous candidate left (bench/NOTES.md v7)."""
+    names = list(fns)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            if hasattr(timer, "sustain"):
+                timer.sustain([fns[n]], settle_s)
+            out[n].append(float(timer(fns[n])))
+        if on_round:
+            on_round(r)
+    return out
+
+
+def _train_label(cfg: Mapping[str, Any]) -> str:
+    return _label(cfg) if cfg else "default"
+
+
+def _geo_ratio(c: Candidate, base: Candidate, tokens: Sequence[int], phase: str) -> float:
+    """The geometric mean over ``tokens`` of c's median over base's median, both from the same timing phase."""
+    prod = 1.0
+    for t in tokens:
+        prod *= statistics.median(c.times[(phase, t)]) / statistics.median(base.times[(phase, t)])
+    return prod ** (1.0 / len(tokens))
+
+
+def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DEFAULT_BUDGET_MIN,
+               rounds: int = 5, workers: int | None = None, compiler: Callable[[Candidate], Any] | None = None,
+               timer: Any = None, inputs: Callable[[int], Any] | None = None,
+               verifier: Callable[[Candidate, int, Any], dict] | None = None, gpu: str | None = None,
+               tools: Mapping[str, str] | None = None, template_hash: str | None = None,
+               settle_s: float = TRAIN_SETTLE_S, save: bool = True, progress: bool = True) -> dict[str, Any]:
+    """``mokgen tune SPEC --train``: choose the backward GEMMs' knobs by timing whole training steps.
+
+    The forward stays at the plan ``mokgen.compile`` uses: the tuning record's piece for each T where this
+    spec has a record (``mokgen tune`` run before), else the solver's default. Candidates: that plan, and each
+    backward variant of :func:`mokgen.space.enumerate_backward_configs` (one knob of one backward GEMM changed;
+    valid with the forward at every T); compiled in parallel (the per-kernel object cache compiles the kernels
+    a variant shares with the others once); each timed as ``moe_forward`` + ``backward`` at every T in
+    interleaved rounds, settled for ``settle_s`` s before each timing; medians. Each backward GEMM's best variant
+    (geometric mean over T of the time relative to the default) is then composed into one candidate, which is
+    compiled and timed against the default and the best single variant in a second phase. The winner (lowest
+    geometric-mean ratio; verified at every T against the float32 reference gradients and a bitwise rerun) is
+    stored as the record's ``backward`` section (the forward's pieces and results are kept); ``mokgen.compile``
+    applies it with the forward's pieces. The GPU steps default to the real ones (tests pass fakes)."""
+    t_start = time.monotonic()
+    deadline = t_start + 60 * budget_min
+    tokens = sorted({int(t) for t in tokens})
+    if not tokens or tokens[0] < 1:
+        raise TuneError(f"--tokens: positive token counts needed, got {tokens}")
+    if gpu is None:
+        gpu = tunedb.gpu_name()
+        if gpu is None:
+            raise TuneError("tune times kernels on a GPU and none is visible (torch.cuda.is_available() is False)")
+    tools = dict(tools if tools is not None else tunedb.toolchain())
+    if template_hash is None:
+        from .emit import template_hash as th
+
+        template_hash = th()
+    if compiler is None:
+        def compiler(c: Candidate) -> dict[int, Any]:  # one CompiledMoE per distinct plan (forward piece)
+            built: dict[str, Any] = {}
+            for p in c.plan.values():
+                if p.canonical_json() not in built:
+                    built[p.canonical_json()] = compile_candidate(spec, arch, p)
+            return {t: built[p.canonical_json()] for t, p in c.plan.items()}
+    if timer is None:
+        timer = CudaTimer()
+    if inputs is None:
+        inputs = lambda t: train_inputs(spec, t)  # noqa: E731
+    if verifier is None:
+        verifier = lambda c, t, inp: verify_train_gpu(C.with_tokens(spec, t), c.moe[t], inp)  # noqa: E731
+    # the forward: the tuned record's piece at each T, else the solver's default
+    rec, _path = tunedb.find(arch, gpu, tools, template_hash, spec)
+    pw = C.PiecewisePlan.from_dict(rec["piecewise"]) if rec is not None else None
+    fwd = {t: dict(pw.piece(t).overrides) if pw is not None else {} for t in tokens}
+    # the variants valid with the forward at every T
+    variants: list[dict[str, Any]] = []
+    for t in tokens:
+        for cfg in S.enumerate_backward_configs(spec, arch, fixed=fwd[t]):
+            if cfg not in variants and all(not S.check_config(spec, arch, {**fwd[u], **cfg}) for u in tokens):
+                variants.append(cfg)
+
+    def make(cfg: Mapping[str, Any]) -> Candidate:
+        c = Candidate(dict(cfg), _train_label(cfg))
+        c.plan = {t: P.solve(spec, arch, **fwd[t], **cfg) for t in tokens}
+        return c
+
+    cands = [make({})] + [make(cfg) for cfg in variants]
+    base = cands[0]
+    prog = _Progress(progress)
+    inp_by_t: dict[int, Any] = {}
+    try:
+        def build(group: list[Candidate], until: float) -> None:
+            pool = cf.ThreadPoolExecutor(max_workers=workers or max(1, (os.cpu_count() or 2) // 2))
+            futs = {pool.submit(_timed, compiler, c): c for c in group}
+            try:
+                for f in cf.as_completed(futs, timeout=max(1.0, until - time.monotonic())):
+                    c = futs[f]
+                    c.moe, c.compile_s, c.error = f.result()
+                    prog.step(f"{c.label}: " + (f"compiled in {c.compile_s:.1f} s" if c.error is None else
+                                                 f"FAILED: {c.error}"))
+            except cf.TimeoutError:
+                for f, c in futs.items():
+                    if not f.done():
+                        f.cancel()
+                        c.error = "not compiled within the budget"
+            pool.shutdown(wait=False, cancel_futures=True)
+
+        def time_phase(phase: str, group: list[Candidate], share: float) -> int:
+            left = deadline - time.monotonic()
+            per_round = len(group) * len(tokens) * (settle_s + 0.2)  # s: settle + the timed reps, roughly
+            n = max(3, min(rounds, int(left * share / max(per_round, 1e-3))))
+            prog.phase(f"{phase}: timing {len(group)} training step(s) at T = {', '.join(map(str, tokens))}, "
+                       f"{n} rounds", n * len(tokens))
+            for t in tokens:
+                if t not in inp_by_t:
+                    inp_by_t[t] = inputs(t)
+                fns = {c.label: TrainStep(c.label, c.moe[t], inp_by_t[t]) for c in group}
+                got = time_rounds_settled(fns, timer, n, settle_s,
+                                          on_round=lambda r, t=t: prog.step(f"T={t}: round {r + 1}"))
+                for c in group:
+                    c.times[(phase, t)] = got[c.label]
+            return n
+
+        prog.phase(f"compiling {len(cands)} training candidate(s): the default and {len(variants)} backward "
+                   f"variant(s)", len(cands))
+        build(cands, t_start + 0.5 * (deadline - t_start))
+        if base.error is not None:
+            raise TuneError(f"the default plan did not compile: {base.error}")
+        ready = [c for c in cands if c.moe is not None and c.error is None]
+        n1 = time_phase("single", ready, 0.6)
+        ratio1 = {c.label: _geo_ratio(c, base, tokens, "single") for c in ready}
+        # each backward GEMM's best variant, composed
+        composed: dict[str, Any] = {}
+        for kernel in P.BACKWARD_GEMMS:
+            own = [c for c in ready if c.cfg and all(S.backward_kernel(k) == kernel for k in c.cfg)]
+            best = min(own, key=lambda c: ratio1[c.label], default=None)
+            if best is not None and ratio1[best.label] < 1.0:
+                composed.update(best.cfg)
+        best1 = min(ready, key=lambda c: ratio1[c.label])
+        final, phase, n2 = ready, "single", 0
+        if len(composed) >= 2 and all(not S.check_config(spec, arch, {**fwd[t], **composed}) for t in tokens):
+            comp = make(composed)
+            prog.phase("compiling the composition of the per-kernel winners", 1)
+            build([comp], max(time.monotonic() + 60.0, t_start + 0.75 * (deadline - t_start)))
+            if comp.moe is not None and comp.error is None:
+                final = [base] + ([best1] if best1 is not base else []) + [comp]
+                cands.append(comp)
+                n2 = time_phase("composed", final, 0.8)
+                phase = "composed"
+        ratio = {c.label: _geo_ratio(c, base, tokens, phase) for c in final}
+        verify: dict[int, dict[str, Any]] = {}
+        for w in sorted(final, key=lambda c: ratio[c.label]):
+            verify = {t: {"candidate": w.label, **verifier(w, t, inp_by_t[t])} for t in tokens}
+            if all(v.get("ok") for v in verify.values()):
+                break
+            prog.step(f"{w.label} failed verification ({verify}); next candidate")
+        else:
+            raise TuneError("no training candidate passed verification against the reference gradients")
+    finally:
+        prog.close()
+    med = lambda c, ph, t: statistics.median(c.times[(ph, t)]) if (ph, t) in c.times else None  # noqa: E731
+    timed = [c for c in cands if c.times]
+    result: dict[str, Any] = {
+        "spec": spec.name, "spec_dict": spec.to_dict(), "arch": arch, "gpu": gpu, "toolchain": tools, "train": True,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": tokens,
+        "forward": {"source": f"tuning record {rec['key'][:16]}" if rec is not None else "solver default",
+                    "overrides": {t: fwd[t] for t in tokens}},
+        "chosen_backward": w.cfg, "phase": phase,
+        "default_ms": {t: med(base, phase, t) for t in tokens}, "tuned_ms": {t: med(w, phase, t) for t in tokens},
+        "speedup": {t: med(base, phase, t) / med(w, phase, t) for t in tokens},
+        "tune_s": round(time.monotonic() - t_start, 1), "budget_min": budget_min, "settle_s": settle_s,
+        "rounds": {"single": n1, **({"composed": n2} if n2 else {})},
+        "candidates": {"space": len(variants) + 1, "compiled": len(ready) + (phase == "composed"),
+                       "timed": len(timed), "failed": {c.label: c.error for c in cands if c.error}},
+        "verify": verify,
+        "table": [{"candidate": c.label, "overrides": c.cfg, "compile_s": round(c.compile_s, 1),
+                   "median_ms": {f"{ph}@{t}": statistics.median(v) for (ph, t), v in c.times.items()},
+                   "round_ms": {f"{ph}@{t}": v for (ph, t), v in c.times.items()}} for c in timed],
+    }
+    if save:
+        keep = {k: v for k, v in (rec or {}).items() if k not in (
+            "format", "key", "arch", "gpu", "toolchain", "template_hash", "spec", "spec_name", "created",
+            "piecewise", "sha256", "backward")}
+        piecewise = rec["piecewise"] if rec is not None else C.PiecewisePlan(
+            spec.name, arch, (C.Piece(1, 0, {}, P.solve(C.with_tokens(spec, tokens[-1]), arch).predicted_ms, tokens[-1], None),),
+            "default",
+            ("forward not tuned: the solver's default at every T (the record holds a tune --train result)",)).to_dict()
+        backward = {"overrides": w.cfg, "tokens": tokens, "forward": result["forward"],
+                    **{k: result[k] for k in ("default_ms", "tuned_ms", "tune_s", "settle_s", "rounds", "candidates",
+                                              "verify", "table", "phase", "date")}}
+        path = tunedb.save(arch=arch, gpu=gpu, tools=tools, template_hash=template_hash, spec=spec,
+                           piecewise=piecewise, **keep, backward=backward)
+        result["record"] = str(path)
+    return result
+
+
 def _timed(compiler: Callable[[Candidate], Any], c: Candidate) -> tuple[Any, float, str | None]:
     t0 = time.monotonic()
     try:
@@ -406,6 +680,17 @@ def _table(result: Mapping[str, Any]) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)])
 
 
+def _train_table(result: Mapping[str, Any]) -> str:
+    cols = sorted({k for r in result["table"] for k in r["median_ms"]}, key=lambda k: (k.split("@")[0] != "single",
+                                                                                         k))
+    head = ["candidate"] + [f"{k} ms" for k in cols]
+    rows = [[r["candidate"][:60]] + [f"{r['median_ms'][k]:.4f}" if k in r["median_ms"] else "-" for k in cols]
+            for r in sorted(result["table"], key=lambda r: r["median_ms"].get(cols[0], 1e9))]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)])
+
+
 def _show(arch: str | None, spec: Spec | None) -> int:
     recs = tunedb.list_records(arch)
     shown = 0
@@ -423,6 +708,10 @@ def _show(arch: str | None, spec: Spec | None) -> int:
             print("  " + line)
         if t:
             print(f"  default ms {t.get('default_ms')}  tuned ms {t.get('tuned_ms')}  ({t.get('tune_s')} s)")
+        if doc.get("backward"):
+            b = doc["backward"]
+            print(f"  backward (tune --train): {_label(b['overrides']) or 'the solver default'}; training step "
+                  f"default ms {b.get('default_ms')}  tuned ms {b.get('tuned_ms')}")
     if not shown:
         print(f"mokgen: no tuning records in {tunedb.tuning_dir()}", file=sys.stderr)
     return 0
@@ -471,6 +760,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=_positive_int, default=DEFAULT_TOP, help="candidates per T kept by the model")
     ap.add_argument("--rounds", type=_positive_int, default=5, help="interleaved timing rounds (at least 3)")
     ap.add_argument("--json", metavar="FILE", help="write the result record (appended to a JSON list)")
+    ap.add_argument("--train", action="store_true",
+                    help="tune the backward GEMMs' knobs by timing whole training steps (forward + backward); the "
+                         "forward stays at its tuned (or default) plan")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--show", action="store_true", help="list the tuning records (of SPEC, or all)")
     g.add_argument("--clear", action="store_true", help="remove the tuning records (of SPEC, or all)")
@@ -508,6 +800,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if spec is None:
         raise TuneError("tune: SPEC is required (a preset name or a YAML path), or --show / --clear")
     arch = resolve_arch(args.arch)
+    if args.train:
+        result = tune_train(spec, arch, args.tokens or [spec.tokens], budget_min=args.budget, rounds=args.rounds)
+        print(f"{spec.name} on {result['gpu']} ({arch}), training step: {result['candidates']['timed']} candidate(s) "
+              f"timed, forward: {result['forward']['source']}, {result['tune_s']} s")
+        print(_train_table(result))
+        for t in result["tokens"]:
+            d, u = result["default_ms"][t], result["tuned_ms"][t]
+            print(f"T={t}: default step {d:.4f} ms, tuned {u:.4f} ms ({d / u:.3f}x)")
+        print("backward: " + (_label(result["chosen_backward"]) or "the solver's default"))
+        print(f"record: {result['record']}")
+        if args.json:
+            append_json(args.json, result)
+        return 0
     result = tune(spec, arch, args.tokens or [spec.tokens], budget_min=args.budget, top=args.top,
                   rounds=args.rounds)
     print(f"{spec.name} on {result['gpu']} ({arch}): {result['candidates']['timed']} candidate(s) timed of "

@@ -79,3 +79,84 @@ def test_check_plan_catches_what_breaks_the_constraints():
     assert any("ffn" in m for m in S.check_config(g, "sm_90a", {"gemm1_bn": 256}))
     assert S.check_config(spec, "sm_90a", {"schedule": "fused", "gemm1_consumer": "pingpong"})
     assert S.check_config(spec, "sm_90a", {"schedule": "fused", "gemm1_bn": 256, "gemm2_bn": 128})
+
+
+# ---- the backward GEMMs' knobs (mokgen tune --train) ------------------------------------------------------------
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_backward_variant_satisfies_the_constraints(name):
+    spec = load_spec(name)
+    base = P.solve(spec, "sm_90a")
+    cfgs = list(S.enumerate_backward_configs(spec, "sm_90a"))
+    assert len(cfgs) >= 10 and all(len(c) == 1 and set(c) <= set(S.BACKWARD_SEARCH_AXES) for c in cfgs)
+    a = P.get_arch("sm_90a")
+    plans = set()
+    for cfg in cfgs:
+        assert S.check_config(spec, "sm_90a", cfg) == []
+        p = P.solve(spec, "sm_90a", **cfg)
+        assert S.check_plan(p) == [], (cfg, S.check_plan(p))
+        assert (p.gemm1, p.gemm2, p.bm) == (base.gemm1, base.gemm2, base.bm)  # the forward is untouched
+        (key, value), = cfg.items()
+        kernel, _, field = key.partition("_")
+        g = getattr(p.backward, kernel)
+        assert getattr(g, field) == value
+        assert g.smem_bytes() <= a.smem_per_cta and P.MIN_STAGES <= g.stages
+        d1 = p.backward.dgrad1
+        assert spec.ffn % d1.bn == 0 and (d1.bn // 4) % d1.z_chunk == 0
+        if key == "dgrad1_bn":  # a new tile N resets the z chunk to the rule's
+            assert d1.z_chunk == min(P.Z_CHUNK, value // 4)
+        if key.endswith("_bn"):  # and takes as many stages as fit
+            assert g.stages == P._stages_most(a, g) and dataclasses.replace(g, stages=g.stages + 1).smem_bytes() > \
+                a.smem_per_cta or g.stages == P.MAX_STAGES
+        plans.add(p.backward)
+    assert len(plans) == len(cfgs) and base.backward not in plans
+    # every variant emits (the templates render it; emit derives nothing of its own: the plan's fields appear)
+    if name == "gpt-oss-120b":
+        from mokgen import emit
+
+        for cfg in cfgs:
+            src = emit.emit(P.solve(spec, "sm_90a", **cfg)).files
+            (key, value), = cfg.items()
+            kernel, _, field = key.partition("_")
+            text = src[f"{kernel}.py"]
+            want = {"bn": f"BN = {value}", "stages": f"STAGES = {value}", "raster_group": f"RASTER = {value}",
+                    "z_chunk": f"Z_CHUNK = {value}", "consumer": "PINGPONG = True" if value == "pingpong" else
+                    "PINGPONG = False"}[field]
+            assert want in text, (cfg, want)
+
+
+def test_backward_overrides_are_validated_with_one_line_errors():
+    spec = load_spec("gpt-oss-120b")  # ffn = hidden = 2880: 256 divides neither
+    a = P.get_arch("sm_90a")
+    cases = {
+        "dgrad1_bn": (256, "2880 % 256"),
+        "dgrad1_stages": (7, "must be in [3, "),
+        "wgrad1_stages": (2, "must be in [3, "),
+        "wgrad2_raster_group": (0, "must be in [1, 64]"),
+        "dgrad1_z_chunk": (32, "dividing the 16 z pairs"),  # with dgrad1 bn 64: 16 pairs, 32 does not divide
+        "wgrad1_bn": (100, "tile N must be one of"),
+    }
+    for key, (value, msg) in cases.items():
+        with pytest.raises(P.PlanError) as e:
+            P.solve(spec, "sm_90a", **({key: value} if key != "dgrad1_z_chunk" else {"dgrad1_bn": 64, key: value}))
+        text = str(e.value)
+        assert text.startswith(f"plan.{key}: ") and msg in text and "\n" not in text, text
+    assert any(m.startswith("dgrad1_bn:") for m in S.check_config(spec, "sm_90a", {"dgrad1_bn": 256}))
+    assert any(m.startswith("dgrad1_z_chunk:") for m in S.check_config(spec, "sm_90a", {"dgrad1_bn": 64,
+                                                                                      "dgrad1_z_chunk": 32}))
+    assert any(m.startswith("wgrad1_stages:") for m in S.check_config(spec, "sm_90a", {"wgrad1_bn": 256,
+                                                                                     "wgrad1_stages": 5}))
+    # dgrad2 and the wgrads may end on a partial N tile (2880 = 11 x 256 + 64); dgrad1 bn + z chunk together
+    p = P.solve(spec, "sm_90a", dgrad2_bn=256, wgrad1_bn=256, dgrad1_bn=64, dgrad1_z_chunk=8)
+    assert (p.backward.dgrad2.bn, p.backward.dgrad2.n_tiles, p.backward.wgrad1.bn) == (256, 12, 256)
+    assert (p.backward.dgrad1.bn, p.backward.dgrad1.z_chunk, p.backward.dgrad1.n_tiles) == (64, 8, 45)
+    assert S.check_plan(p) == []
+    # check_plan catches a backward plan the templates cannot run
+    deep = dataclasses.replace(p.backward, wgrad2=dataclasses.replace(p.backward.wgrad2, bn=256, stages=7))
+    assert any("backward.wgrad2" in m and "shared memory" in m for m in S.check_plan(dataclasses.replace(p, backward=deep)))
+    odd = dataclasses.replace(p.backward, dgrad1=dataclasses.replace(p.backward.dgrad1, bn=256, n_tiles=12))
+    assert any("ffn" in m for m in S.check_plan(dataclasses.replace(p, backward=odd)))
+    assert P._stages_most(a, p.backward.dgrad1) == P.MAX_STAGES
+    # the shipped presets' default plans do not change with the new knobs (defaults = today's choices)
+    for name in PRESETS:
+        sp = load_spec(name)
+        assert P.solve(sp, "sm_90a").backward == P.backward_plan(sp, a, P.solve(sp, "sm_90a").bm)

@@ -342,3 +342,106 @@ def test_pack_carries_the_tuning_records(mokgen_cache: Path, tmp_path: Path, mon
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "host3"))
     with pytest.raises(cache.CacheError, match="refused, nothing installed"):
         cache.unpack(bad)
+
+
+# ---- tune --train: the backward knobs, timed as training steps (fakes) -----------------------------------------
+def _train_moe(spec, plan):
+    from mokgen.ops import CompiledMoE
+    from mokgen.reference import reference_kernels
+
+    return CompiledMoE(spec, plan, allow_cpu=True, functions=reference_kernels(
+        spec, plan.bm, gather=plan.gemm1.a_load == "tma", training=True))
+
+
+def test_tune_train_picks_the_measured_winner_stores_it_and_compile_applies_it(
+        mokgen_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    from mokgen import reference, tune
+    from mokgen.emit import template_hash
+
+    spec = load_spec(TINY)
+    tools, th = tunedb.toolchain(), template_hash()
+    # a forward record from an earlier `mokgen tune` (its piece: gemm2_bn=128); tune --train keeps it
+    fwd_pw = dict(PW1, spec_name=spec.name, pieces=[dict(PW1["pieces"][0], overrides={"gemm2_bn": 128})])
+    tunedb.save(arch="sm_90a", gpu="FakeGPU", tools=tools, template_hash=th, spec=spec, piecewise=fwd_pw,
+                tune={"tokens": [64]}, results=[])
+    ran, compiled = [], []
+
+    def compiler(c):
+        compiled.append(c.label)
+        assert all(p.gemm2.bn == 128 for p in c.plan.values())  # the tuned forward
+        return {t: _train_moe(spec, p) for t, p in c.plan.items()}
+
+    # measured: wgrad1_bn=64 saves 1.0, dgrad2_bn=64 0.5 (of 10); the composition of both wins
+    def timer(fn):
+        fn()
+        ran.append(fn.label)
+        return 10.0 - 1.0 * ("wgrad1_bn=64" in fn.label) - 0.5 * ("dgrad2_bn=64" in fn.label)
+
+    def inputs(t):
+        return tune.train_inputs(spec, t, device="cpu")
+
+    def verifier(c, t, inp):
+        return tune.verify_train_gpu(C.with_tokens(spec, t), c.moe[t], inp)
+
+    res = tune.tune_train(spec, "sm_90a", [64], budget_min=2, rounds=3, compiler=compiler, timer=timer,
+                          inputs=inputs, verifier=verifier, gpu="FakeGPU", tools=tools, template_hash=th,
+                          settle_s=0.0, progress=False)
+    variants = list(S.enumerate_backward_configs(spec, "sm_90a", fixed={"gemm2_bn": 128}))
+    assert {"wgrad1_bn": 64} in variants and {"dgrad2_bn": 64} in variants
+    assert res["candidates"]["space"] == len(variants) + 1 and len(compiled) == len(variants) + 2
+    assert res["chosen_backward"] == {"wgrad1_bn": 64, "dgrad2_bn": 64} and res["phase"] == "composed"
+    assert res["tuned_ms"][64] == pytest.approx(8.5) and res["default_ms"][64] == pytest.approx(10.0)
+    assert res["rounds"]["single"] >= 3 and "default" in ran and "dgrad2_bn=64,wgrad1_bn=64" in ran
+    v = res["verify"][64]
+    assert v["ok"] and v["bitwise_rerun"] and set(v["rel_errs"]) == {"x", "topk_weight", "w1", "w2"}
+    assert max(v["rel_errs"].values()) < 1e-2
+    assert res["forward"]["source"].startswith("tuning record")
+    rec, _ = tunedb.find("sm_90a", "FakeGPU", tools, th, spec)
+    assert rec["backward"]["overrides"] == {"wgrad1_bn": 64, "dgrad2_bn": 64}
+    assert rec["piecewise"] == fwd_pw and rec["tune"] == {"tokens": [64]}  # the forward part is kept
+    assert rec["backward"]["tuned_ms"] == {"64": pytest.approx(8.5)}
+    # compile / plan_for apply the forward piece and the tuned backward, and say so
+    monkeypatch.setenv("MOKGEN_GPU_NAME", "FakeGPU")
+    plan, (r, _pw, where) = driver.plan_for(spec, "sm_90a")
+    assert where == res["record"] and plan.gemm2.bn == 128
+    assert (plan.backward.wgrad1.bn, plan.backward.dgrad2.bn) == (64, 64)
+    assert any(n.startswith("tuned backward: record") and "wgrad1_bn=64" in n for n in plan.notes)
+    assert plan == driver.tuned_plan(spec, "sm_90a", r, _pw, _pw.piece(64))
+    assert cli.main(["tune", "--show"]) == 0
+    assert "backward (tune --train): dgrad2_bn=64,wgrad1_bn=64" in capsys.readouterr().out
+
+
+def test_tune_train_keeps_the_default_when_nothing_is_faster_and_old_records_still_load(
+        mokgen_cache: Path, monkeypatch: pytest.MonkeyPatch):
+    from mokgen import tune
+    from mokgen.emit import template_hash
+
+    spec = load_spec(TINY)
+    tools, th = tunedb.toolchain(), template_hash()
+    # an old record (no `backward` section): compile uses its forward piece and the solver's backward
+    tunedb.save(arch="sm_90a", gpu="FakeGPU", tools=tools, template_hash=th, spec=spec,
+                piecewise=dict(PW1, spec_name=spec.name, pieces=[dict(PW1["pieces"][0], overrides={"gemm2_bn": 128})]))
+    monkeypatch.setenv("MOKGEN_GPU_NAME", "FakeGPU")
+    plan, _ = driver.plan_for(spec, "sm_90a")
+    assert plan.gemm2.bn == 128 and plan.backward == P.solve(spec, "sm_90a", gemm2_bn=128).backward
+    assert not any("tuned backward" in n for n in plan.notes)
+    tune_db_before = tunedb.find("sm_90a", "FakeGPU", tools, th, spec)[0]
+    assert "backward" not in tune_db_before
+    tunedb.clear()
+
+    # no forward record: the forward stays at the solver's default; every variant is slower: the default wins
+    def timer(fn):
+        fn()
+        return 5.0 if fn.label == "default" else 5.5
+
+    res = tune.tune_train(spec, "sm_90a", [64], budget_min=2, rounds=3, timer=timer,
+                          compiler=lambda c: {t: _train_moe(spec, p) for t, p in c.plan.items()},
+                          inputs=lambda t: tune.train_inputs(spec, t, device="cpu"),
+                          verifier=lambda c, t, inp: tune.verify_train_gpu(spec, c.moe[t], inp),
+                          gpu="FakeGPU", tools=tools, template_hash=th, settle_s=0.0, progress=False)
+    assert res["chosen_backward"] == {} and res["phase"] == "single" and res["forward"]["source"] == "solver default"
+    rec, _ = tunedb.find("sm_90a", "FakeGPU", tools, th, spec)
+    assert rec["backward"]["overrides"] == {} and C.PiecewisePlan.from_dict(rec["piecewise"]).piece(5).overrides == {}
+    plan, _ = driver.plan_for(spec, "sm_90a")
+    assert (plan.gemm1, plan.gemm2, plan.backward) == (lambda p: (p.gemm1, p.gemm2, p.backward))(P.solve(spec, "sm_90a"))
+    assert any(n.startswith("tuned backward: record") and "solver's default" in n for n in plan.notes)
