@@ -263,6 +263,7 @@ def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DE
 
         template_hash = th()
     if compiler is None:
+        _import_dsl_once()
         compiler = lambda c: compile_candidate(spec, arch, c.plan)  # noqa: E731
     if timer is None:
         timer = CudaTimer()
@@ -508,6 +509,8 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
 
         template_hash = th()
     if compiler is None:
+        _import_dsl_once()
+
         def compiler(c: Candidate) -> dict[int, Any]:  # one CompiledMoE per distinct plan (forward piece)
             built: dict[str, Any] = {}
             for p in c.plan.values():
@@ -644,6 +647,18 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
                            piecewise=piecewise, **keep, backward=backward)
         result["record"] = str(path)
     return result
+
+
+def _import_dsl_once() -> None:
+    """Import the CuTe DSL in this thread before the compile workers start: several threads importing
+    `cutlass.cute.runtime` for the first time at once deadlock on Python's module locks (seen on the H200:
+    3 of 22 candidates failed with _DeadlockError). A missing DSL is reported per candidate by the build."""
+    try:
+        from .build import runtime_libraries
+
+        runtime_libraries()
+    except Exception:
+        pass
 
 
 def _timed(compiler: Callable[[Candidate], Any], c: Candidate) -> tuple[Any, float, str | None]:

@@ -43,6 +43,8 @@ def timeline(step, warm_s: float, steps: int, marker) -> dict:
     """Run `step` back to back for warm_s seconds, then profile `steps` more."""
     from torch.profiler import ProfilerActivity, profile
 
+    step()  # the first call may build or load kernels: not part of the warm-up time
+    torch.cuda.synchronize()
     t_end = time.time() + warm_s
     n = 0
     while time.time() < t_end:
@@ -84,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--forward", action="store_true", help="the inference forward only (no autograd)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("step_timeline: needs a CUDA GPU", file=sys.stderr)
@@ -111,9 +114,18 @@ def main(argv=None) -> int:
             clear()
             B.torch_grouped_mm(leaves[0], idx, leaves[1], leaves[2], leaves[3], spec, leaves[4], leaves[5]).backward(dy)
 
+        if a.forward:
+            def ours():
+                with torch.no_grad():
+                    mokgen.moe_forward(x, idx, tw, w1, w2, b1, b2, moe=moe)
+
+            def theirs():
+                with torch.no_grad():
+                    B.torch_grouped_mm(x, idx, tw, w1, w2, spec, b1, b2)
+
         impls = [("mokgen", ours)] + ([] if a.no_torch else [("torch_grouped_mm", theirs)])
         for impl, fn in impls:
-            rec = dict(spec=item, impl=impl, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            rec = dict(spec=item, impl=impl, mode="forward" if a.forward else "train", gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        **timeline(fn, a.warm_s, a.steps, lambda n: n[:60]))
             line = json.dumps(rec)
             if out:
