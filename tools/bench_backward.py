@@ -228,6 +228,8 @@ def _record(ctx, shape, dims, impl, res: dict[str, Any], flops: int, base_ms, li
     if len(res.get("rounds", ())) > 1:
         rec["round_ms"] = res["rounds"]
         rec["round_fwd_ms"] = res["fwd_rounds"]
+    if res.get("plan"):
+        rec["plan"] = res["plan"]
     if res.get("error") is not None:
         rec["error"] = res["error"]
     if res.get("grad_nonfinite"):
@@ -398,6 +400,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
                 return n
 
             run(name, lambda m=moe: mokgen.moe_forward(x, idx, tw, w1, w2, b1, b2, moe=m), saved_nbytes)
+            if name in results:
+                results[name]["plan"] = BF.plan_source(moe, ov)
             moe.check_errors()
             if name in timed:
                 keep.append((name, moe))

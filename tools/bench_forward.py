@@ -313,6 +313,16 @@ def _record(ctx, shape, dims, impl, ms, flops, base_ms, err, det, error=None) ->
     return rec
 
 
+def plan_source(moe: Any, overrides: Any) -> str:
+    """Which plan a mokgen record timed: "overrides" (a --variants entry), the tuning record's notes where
+    `mokgen.compile` took a tuned plan (see `mokgen tune`), else "default" (the solver's plan)."""
+    if overrides:
+        return "overrides"
+    notes = getattr(getattr(moe, "plan", None), "notes", ()) or ()
+    tuned = [n for n in notes if str(n).startswith("tuned")]
+    return "; ".join(tuned) if tuned else "default"
+
+
 def _short_error(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
@@ -384,6 +394,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
                  f"{getattr(moe.plan, 'schedule', '?')})")
             run(name, lambda m=moe: m(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
                                       inp["b1"], inp["b2"]), check=True)
+            if name in results:
+                results[name]["plan"] = plan_source(moe, ov)
             moe.check_errors()
             if name in timed:
                 keep.append((name, moe))
@@ -440,6 +452,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
     for rec, i in zip(recs, order):
         if len(results[i].get("rounds", ())) > 1:
             rec["round_ms"] = results[i]["rounds"]
+        if results[i].get("plan"):
+            rec["plan"] = results[i]["plan"]
     del inp, ref, args, kw
     return recs
 
@@ -520,8 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("specs", nargs="*", metavar="SPEC", help=f"preset names or YAML paths (default: "
                     f"{' '.join(DEFAULT_SPECS)}; with --dry-run: tiny made-up specs)")
     ap.add_argument("--tokens", type=int, default=None, help="override T (tokens per rank) for every shape")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON list file the records are appended to "
-                    f"(default {DEFAULT_OUT}); '-' writes nothing")
+    ap.add_argument("--out", default=None, help=f"JSON list file the records are appended to "
+                    f"(default {DEFAULT_OUT}; with --dry-run: nothing, so CPU test records never land among "
+                    f"the H200's); '-' writes nothing")
     ap.add_argument("--no-mokgen", action="store_true", help="baselines only")
     ap.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense_mm ceiling")
@@ -596,9 +611,10 @@ def main(argv: list[str] | None = None) -> int:
             _free(device)
     _log(f"total {time.perf_counter() - t_start:.1f}s")
     print_table(records, f"MoE forward, {ctx['gpu']} ({timer.method})")
-    if args.out != "-":
-        append_records(args.out, records)
-        _log(f"appended {len(records)} records to {args.out}")
+    out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
+    if out != "-":
+        append_records(out, records)
+        _log(f"appended {len(records)} records to {out}")
     return 0
 
 
