@@ -215,7 +215,6 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         act_limit=act_limit,
         single_mma=parts == 2,
         z_chunk=g.z_chunk,
-        half_skip=g.half_skip,
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],
         w_hint_name=g.w_hint,

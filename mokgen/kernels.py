@@ -67,9 +67,6 @@ _W_N = _t("w", "bf16", "GROUPS", "K_DIM", "N_OUT", doc="weights read transposed 
 _ROW_SRC = _t("row", "int32", "rows", doc="[rows] row_src: token of each padded row (-1: padding)")
 _ROW_W = _t("row", "fp32", "rows", doc="[rows] row_w: routing weight of each padded row (0: padding)")
 _Z = _t("z", "bf16", "rows", "2 * N_OUT", doc="[rows, 2 N_OUT] pre-activation z in W1's row order")
-# the GEMMs whose `row` is the routing weight also get row_src: a tile whose upper 64 rows are all padding
-# (row_src -1; groups are padded at their end) skips that half's wgmma (plan half_skip)
-_PAD = _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding)")
 _WGRAD = (
     _t("a", "bf16", "rows", "M_OUT", doc="[rows, M_OUT] rows of the left operand (grouped by expert)"),
     _t("b", "bf16", "rows", "N_OUT", doc="[rows, N_OUT] rows of the right operand"),
@@ -113,15 +110,15 @@ ARGS: dict[str, tuple[Arg, ...]] = {
                             _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
                             a_doc="x [T, H] (rows gathered by row_src) or gathered rows xg [rows, H]"),
     "gemm2": _grouped(_W_K, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
-                      _PAD, a_doc="h [rows, FFN]"),
+                      a_doc="h [rows, FFN]"),
     "dgrad1": _grouped(
         _W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
         _Z,
         _t("dz", "bf16", "rows", "2 * N_OUT", written=True, doc="[rows, 2 FFN] dz in W1's row order"),
         _t("ds", "fp32", "rows", "N_TILES", written=True, doc="[rows, N_TILES] partial <dA', a> per N tile"),
-        _PAD, a_doc="dO rows gathered by token [rows, H]"),
+        a_doc="dO rows gathered by token [rows, H]"),
     "dgrad2": _grouped(_W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] dx per slot"),
-                       _PAD, a_doc="dz [rows, 2 FFN]"),
+                       a_doc="dz [rows, 2 FFN]"),
     "wgrad1": _WGRAD,
     "wgrad2": _WGRAD,
     "wgrad1_acc": _WGRAD_ACC,

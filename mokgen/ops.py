@@ -660,7 +660,7 @@ class CompiledMoE:
             call(f, "gemm1", a=a, w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta, out=ws.h,
                  num_ctas=num_ctas)
             call(f, "gemm2", a=ws.h, w=w2, bias=b2_, row=ws.row_w, tile_group=ws.tile_group, meta=ws.meta,
-                 out=ws.ys, row_src=ws.row_src, num_ctas=num_ctas)
+                 out=ws.ys, num_ctas=num_ctas)
             call(f, "combine", ys=ws.ys, slot_pos=ws.slot_pos, y=y)
         return self._after_call(st, ws, topk_idx, check, y)
 
@@ -736,7 +736,7 @@ class CompiledMoE:
                  tile_group=sv.tile_group, meta=sv.meta, out=h, z=sv.z, num_ctas=num_ctas)
             ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=sv.row_w, tile_group=sv.tile_group,
-                 meta=sv.meta, out=ys, row_src=sv.row_src, num_ctas=num_ctas)
+                 meta=sv.meta, out=ys, num_ctas=num_ctas)
             y = torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=ys, slot_pos=sv.slot_pos, y=y)
             self._record_errors(st, sv.meta)
@@ -793,7 +793,7 @@ class CompiledMoE:
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
             ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
             call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=sa,
-                 z=sv.z, dz=dz, ds=ds, row_src=sv.row_src, num_ctas=num_ctas)
+                 z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
             onehot = self._group_onehot(sv.tile_group)
             group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
             torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
@@ -807,7 +807,7 @@ class CompiledMoE:
             else:
                 call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
             call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=buf,
-                 row_src=sv.row_src, num_ctas=num_ctas)
+                 num_ctas=num_ctas)
             dx = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=buf, slot_pos=sv.slot_pos, y=dx)
             # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>

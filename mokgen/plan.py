@@ -41,7 +41,6 @@ def get_arch(name: str) -> Arch:
 
 # ---- kernel constants (sm_90a, bf16) ---------------------------------------------------------------------
 BM = 128  # M tile: 2 consumer warpgroups x 64 rows (cooperative)
-HALF_ROWS = 64  # one consumer warpgroup's rows of a cooperative tile (GemmPlan.half_skip)
 BK = 64  # K tile; the spec guarantees hidden % 64 == ffn % 64 == 0
 BN_CHOICES = _SPACE.values("bn", "gemm1")
 CONSUMER_WGS = 2
@@ -225,10 +224,6 @@ class GemmPlan:
     # dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (at most the bn / 4 pairs a
     # thread holds; more in flight hide more latency, each costs 2 registers)
     z_chunk: int = Z_CHUNK
-    # cooperative 128-row tiles whose upper 64 rows are all padding (groups are padded at their end to the
-    # routing tile): the warpgroup owning them skips its wgmma, so short groups cost MMA work in 64-row steps
-    # (override half_skip=0 turns it off; ping-pong tiles are 64 rows already)
-    half_skip: bool = True
 
     @property
     def tile_m(self) -> int:
@@ -498,10 +493,7 @@ def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
     m_tiles = _m_tiles(spec, g.bm)
     padded = m_tiles * g.bm
     tiles = m_tiles * (g.bm // g.tile_m) * g.n_tiles
-    # MMA rows: with half_skip a cooperative tile's all-padding upper half costs nothing, so short groups pay
-    # their padding in 64-row steps (the tiles, waves and bytes stay those of the bm-row tiles)
-    mma_rows = min(padded, _m_tiles(spec, HALF_ROWS) * HALF_ROWS) if (g.half_skip and g.tile_m == BM) else padded
-    row_eff = spec.rows / mma_rows
+    row_eff = spec.rows / padded
     n_eff = n / (g.n_tiles * g.bn)
     wave_eff = tiles / (-(-tiles // arch.sms) * arch.sms)
     mainloop_eff = MAINLOOP_EFF[g.bn] * (PINGPONG_EFF[which] if g.consumer == "pingpong" else 1.0)
@@ -720,13 +712,6 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 raise PlanError(f"plan.{key}: GEMM {which} reads A by {gemms[which].a_load!r}, not one TMA box per "
                                 f"tile: no L2 hint to give")
             gemms[which] = dataclasses.replace(gemms[which], **{name: hint})
-    if "half_skip" in overrides:
-        hs = _int_override("half_skip", overrides["half_skip"])
-        if hs not in _SPACE.values("half_skip"):
-            raise PlanError(f"plan.half_skip: must be 0 or 1, got {overrides['half_skip']!r}")
-        if schedule == "fused" and hs:
-            raise PlanError("plan.half_skip: the fused kernel's GEMM tasks compute whole tiles")
-        gemms = {w: dataclasses.replace(g, half_skip=bool(hs)) for w, g in gemms.items()}
     for key, legal in (("epi_n", EPI_NS), ("epi_stages", EPI_STAGE_CHOICES)):
         if key not in overrides:
             continue
@@ -798,12 +783,6 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
             if not 1 <= r <= most:
                 raise PlanError(f"plan.{key}: must be in [1, {most}], got {r}")
             bwd[name], changed = dataclasses.replace(bwd[name], raster_group=r), True
-    if "half_skip" in overrides:
-        hs = _int_override("half_skip", overrides["half_skip"])
-        if hs not in _SPACE.values("half_skip"):
-            raise PlanError(f"plan.half_skip: must be 0 or 1, got {overrides['half_skip']!r}")
-        for name in ("dgrad1", "dgrad2"):
-            bwd[name], changed = dataclasses.replace(bwd[name], half_skip=bool(hs)), True
     return dataclasses.replace(plan, backward=BackwardPlan(**bwd)) if changed else plan
 
 

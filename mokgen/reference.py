@@ -633,7 +633,7 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     def gemm1(a, w, bias, row, tile_group, meta, out, num_ctas):
         ref_gemm1(a, w, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=gather)
 
-    def gemm2(a, w, bias, row, tile_group, meta, out, row_src, num_ctas):  # row_src: the kernel's padding test
+    def gemm2(a, w, bias, row, tile_group, meta, out, num_ctas):
         ref_gemm2(a, w, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm)
 
     impls: dict[str, Callable[..., None]] = {
@@ -646,10 +646,10 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         def gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas):
             ref_gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=gather)
 
-        def dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, row_src, num_ctas):
+        def dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas):
             ref_dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
 
-        def dgrad2(a, w, bias, row, tile_group, meta, out, row_src, num_ctas):
+        def dgrad2(a, w, bias, row, tile_group, meta, out, num_ctas):
             ref_dgrad2(a, w, bias, row, tile_group, meta, out, num_ctas, bm=bm)
 
         impls.update(gemm1_train=gemm1_train, dgrad1=dgrad1, dgrad2=dgrad2)

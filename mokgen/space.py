@@ -108,8 +108,6 @@ SM90 = ArchSpace(
         Knob("epi_n", ("plan",), (32, 64), search=None,
              doc="columns per epilogue slice of the forward GEMMs (smem staging before the TMA store); 64 and 32 "
                  "measured within 1%"),
-        Knob("half_skip", ("plan",), (0, 1), search=None,
-             doc="cooperative tiles skip the wgmma of an all-padding upper 64-row half (default 1; 0: whole tiles)"),
         Knob("epi_stages", ("plan",), (2, 4), search=None,
              doc="epilogue smem buffers of the forward GEMMs (more: fewer pipeline stages fit)"),
     ),

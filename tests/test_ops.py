@@ -288,7 +288,7 @@ def test_call_order_and_arguments():
     want = {
         "routing": (a["topk_idx"], a["topk_weight"], row_src, row_w, tile_group, meta, slot_pos),
         "gemm1": (a["x"], a["w1"], dummy, row_src, tile_group, meta, h, 66),
-        "gemm2": (h, a["w2"], dummy, row_w, tile_group, meta, ys, row_src, 66),
+        "gemm2": (h, a["w2"], dummy, row_w, tile_group, meta, ys, 66),
         "combine": (ys, slot_pos, y),
     }
     for name, expected in want.items():
