@@ -1,7 +1,7 @@
 """Kernel-by-kernel check and timing of built mokgen artifacts on a GPU (the kernel author's tool).
 
     python tools/kernel_check.py BUILD_DIR:SPEC [BUILD_DIR:SPEC ...] [--tokens N] [--json OUT.json]
-    python tools/kernel_check.py SPEC[@KEY=VALUE+KEY=VALUE...] ...     (the cache entry of that plan)
+    python tools/kernel_check.py SPEC[@KEY=VALUE+KEY=VALUE...] ...     (the cache entry of that plan, built if missing)
 
 For each built ``libmokgen.so`` (``mokgen compile`` output or a cache entry) and its spec: fresh random inputs,
 poisoned workspaces, each kernel's output checked against its torch reference (``mokgen.reference.ref_*``):
@@ -252,15 +252,13 @@ def check(build_dir: Path, spec_name: str, tokens: int | None, routing: str = "r
 
 
 def cache_entry(item: str) -> Path:
-    """The cache entry directory of "SPEC[@k=v+k=v]" (built here, or unpacked from a pack)."""
-    from mokgen import cache, emit
+    """The cache entry directory of "SPEC[@k=v+k=v]": found in the cache (built before, or unpacked from a
+    pack), else built now where the compiler is (mokgen.driver.resolve)."""
+    from mokgen import driver, emit
 
     name, _, ov = item.partition("@")
     sources = emit.emit(solve(load_spec(name), "sm_90a", **parse_overrides(ov)))
-    entry = cache.find(sources, "sm_90a")
-    if entry is None:
-        raise FileNotFoundError(f"{item}: no cache entry for this plan (build it with tools/prebuild.py)")
-    return Path(entry)
+    return Path(driver.resolve(sources, "sm_90a").dir)
 
 
 def resolve_item(item: str) -> tuple[Path, str]:
