@@ -2,14 +2,15 @@
 """Where a training step's time goes in the sustained (power-capped) regime: the GPU timeline of a few
 forward+backward steps under autograd, taken after the GPU has run the same step for a while.
 
-    python tools/step_timeline.py SPEC[@k=v,...] [...] [--warm-s 3] [--steps 3] [--json OUT]
+    python tools/step_timeline.py SPEC[@k=v,...] [...] [--warm-s 3] [--steps 3] [--forward] [--json OUT]
 
 The H200 of this project throttles to its power cap under sustained GEMM load; a step timed right after a pause
 runs at boost clocks and can be 10% faster than the same step in a benchmark's later rounds. This tool first
 runs the step back to back for --warm-s seconds, then records --steps steps with torch.profiler and reports, per
 step: wall time on the GPU (first kernel start to last kernel end), the sum of kernel times, the idle time
 between kernels (gaps > 0), and per kernel its duration (mean over the recorded steps), and the same for torch's
-grouped_mm pipeline. One JSON line per spec and implementation.
+grouped_mm pipeline. One JSON line per spec and implementation. ``--forward`` does the same for the inference
+forward alone (no autograd).
 """
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def main(argv=None) -> int:
 
         impls = [("mokgen", ours)] + ([] if a.no_torch else [("torch_grouped_mm", theirs)])
         for impl, fn in impls:
-            rec = dict(spec=item, impl=impl, mode="forward" if a.forward else "train", gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            rec = dict(spec=item, impl=impl, mode="forward" if a.forward else "train",
+                       gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        **timeline(fn, a.warm_s, a.steps, lambda n: n[:60]))
             line = json.dumps(rec)
             if out:
