@@ -97,7 +97,8 @@ ARGS: dict[str, tuple[Arg, ...]] = {
         _t("x", "bf16", "tokens", "HIDDEN", doc="[T, H] token rows"),
         _t("row_src", "int32", "rows", doc="[rows] token of each padded row"),
         _META,
-        _t("xg", "bf16", "rows", "HIDDEN", written=True, doc="[rows, H] gathered rows (padding rows zero)"),
+        _t("xg", "bf16", "rows", "HIDDEN", written=True,
+           doc="[rows, H] gathered rows (padding rows: token 0, weight 0)"),
     ),
     "combine": (
         _t("ys", "bf16", "rows", "HIDDEN", doc="[rows, H] per-slot rows"),

@@ -36,7 +36,7 @@ def launch(
     x: cute.Tensor,         # [T, H] token rows
     row_src: cute.Tensor,   # [rows] token of each padded row
     meta: cute.Tensor,      # [4] meta[0] = routing tiles in use (read on the device: no host sync)
-    xg: cute.Tensor,        # [rows, H] gathered rows (padding rows zero)
+    xg: cute.Tensor,        # [rows, H] gathered rows (padding rows: token 0, weight 0)
     stream: cuda.CUstream,
 ):
     kernel(x, row_src, meta, xg).launch(grid=(xg.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
