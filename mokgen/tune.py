@@ -279,24 +279,7 @@ def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DE
     try:
         # compile (parallel CPU workers; the build's ninja runs the kernel compiles as processes)
         prog.phase(f"compiling {len(cands)} candidate(s) of {n_space} in the space", len(cands))
-        n_workers = workers or max(1, (os.cpu_count() or 2) // 2)
-        pool = cf.ThreadPoolExecutor(max_workers=n_workers)
-        futs = {}
-        for c in cands:
-            futs[pool.submit(_timed, compiler, c)] = c
-        compile_deadline = t_start + 0.6 * (deadline - t_start)
-        try:
-            for f in cf.as_completed(futs, timeout=max(1.0, compile_deadline - time.monotonic())):
-                c = futs[f]
-                c.moe, c.compile_s, c.error = f.result()
-                prog.step(f"{c.label}: " + (f"compiled in {c.compile_s:.1f} s" if c.error is None else
-                                             f"FAILED: {c.error}"))
-        except cf.TimeoutError:
-            for f, c in futs.items():
-                if not f.done():
-                    f.cancel()
-                    c.error = "not compiled within the budget"
-        pool.shutdown(wait=False, cancel_futures=True)
+        _compile_all(cands, compiler, t_start + 0.6 * (deadline - t_start), prog, workers)
         ready = [c for c in cands if c.moe is not None and c.error is None]
         if not ready:
             raise TuneError(f"no candidate compiled ({'; '.join(sorted({str(c.error) for c in cands}))[:300]})")
@@ -547,22 +530,6 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
     prog = _Progress(progress)
     inp_by_t: dict[int, Any] = {}
     try:
-        def build(group: list[Candidate], until: float) -> None:
-            pool = cf.ThreadPoolExecutor(max_workers=workers or max(1, (os.cpu_count() or 2) // 2))
-            futs = {pool.submit(_timed, compiler, c): c for c in group}
-            try:
-                for f in cf.as_completed(futs, timeout=max(1.0, until - time.monotonic())):
-                    c = futs[f]
-                    c.moe, c.compile_s, c.error = f.result()
-                    prog.step(f"{c.label}: " + (f"compiled in {c.compile_s:.1f} s" if c.error is None else
-                                                 f"FAILED: {c.error}"))
-            except cf.TimeoutError:
-                for f, c in futs.items():
-                    if not f.done():
-                        f.cancel()
-                        c.error = "not compiled within the budget"
-            pool.shutdown(wait=False, cancel_futures=True)
-
         def time_phase(phase: str, group: list[Candidate], share: float) -> int:
             left = deadline - time.monotonic()
             per_round = len(group) * len(tokens) * (settle_s + 0.2)  # s: settle + the timed reps, roughly
@@ -581,7 +548,7 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
 
         prog.phase(f"compiling {len(cands)} training candidate(s): the default and {len(variants)} backward "
                    f"variant(s)", len(cands))
-        build(cands, t_start + 0.5 * (deadline - t_start))
+        _compile_all(cands, compiler, t_start + 0.5 * (deadline - t_start), prog, workers)
         if base.error is not None:
             raise TuneError(f"the default plan did not compile: {base.error}")
         ready = [c for c in cands if c.moe is not None and c.error is None]
@@ -599,7 +566,8 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
         if len(composed) >= 2 and all(not S.check_config(spec, arch, {**fwd[t], **composed}) for t in tokens):
             comp = make(composed)
             prog.phase("compiling the composition of the per-kernel winners", 1)
-            build([comp], max(time.monotonic() + 60.0, t_start + 0.75 * (deadline - t_start)))
+            _compile_all([comp], compiler, max(time.monotonic() + 60.0, t_start + 0.75 * (deadline - t_start)), prog,
+                         workers)
             if comp.moe is not None and comp.error is None:
                 final = [base] + ([best1] if best1 is not base else []) + [comp]
                 cands.append(comp)
@@ -658,6 +626,27 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
                            piecewise=piecewise, **keep, backward=backward)
         result["record"] = str(path)
     return result
+
+
+def _compile_all(group: Sequence[Candidate], compiler: Callable[[Candidate], Any], until: float, prog: Any,
+                 workers: int | None) -> None:
+    """Compile ``group`` on parallel CPU workers (the build's ninja runs the kernel compiles as processes),
+    setting each candidate's moe / compile_s / error; what is not done by ``until`` (monotonic) fails with
+    "not compiled within the budget"."""
+    pool = cf.ThreadPoolExecutor(max_workers=workers or max(1, (os.cpu_count() or 2) // 2))
+    futs = {pool.submit(_timed, compiler, c): c for c in group}
+    try:
+        for f in cf.as_completed(futs, timeout=max(1.0, until - time.monotonic())):
+            c = futs[f]
+            c.moe, c.compile_s, c.error = f.result()
+            prog.step(f"{c.label}: " + (f"compiled in {c.compile_s:.1f} s" if c.error is None else
+                                         f"FAILED: {c.error}"))
+    except cf.TimeoutError:
+        for f, c in futs.items():
+            if not f.done():
+                f.cancel()
+                c.error = "not compiled within the budget"
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _import_dsl_once() -> None:
