@@ -32,8 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = REPO / "templates"
 TEMPLATE = "sm90/wgrad.py.j2"
 
-SMEM_PER_CTA = 231424  # sm_90a: 227 KB of shared memory per CTA (mokgen.plan ARCHS["sm_90a"].smem_per_cta)
-SMEM_BARRIERS = 1024   # barriers and alignment slack, as mokgen.emit counts them
+sys.path.insert(0, str(REPO))
+from mokgen.plan import BARRIER_BYTES as SMEM_BARRIERS, get_arch  # noqa: E402  (the plan's own numbers)
+
+SMEM_PER_CTA = get_arch("sm_90a").smem_per_cta  # shared memory per CTA on sm_90a
 
 # name -> (m_out, n_out, groups, bn, accumulate)
 PRESETS = {
