@@ -67,20 +67,7 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64, a slab at a time (one float64 copy of gpt-oss-120b's w1 would be 17 GB)."""
-    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
-    a2 = a.detach().reshape(a.shape[0] if a.dim() > 1 else 1, -1)
-    b2 = b.detach().reshape(a2.shape)
-    step = max(1, (1 << 25) // max(1, a2.shape[1]))
-    num = torch.zeros((), dtype=torch.float64, device=a.device)
-    den = torch.zeros((), dtype=torch.float64, device=a.device)
-    for i in range(0, a2.shape[0], step):
-        ai, bi = a2[i:i + step].double(), b2[i:i + step].double()
-        num += (ai - bi).square().sum()
-        den += bi.square().sum()
-    num, den = num.sqrt().item(), den.sqrt().item()
-    return num / den if den > 0 else num
+rel_err = ref.rel_err  # ||a - b|| / ||b|| in float64, a slab at a time
 
 
 def poison_free_memory(*like: torch.Tensor | None) -> None:

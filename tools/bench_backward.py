@@ -65,6 +65,7 @@ import bench_forward as BF  # noqa: E402  (puts the repository root on sys.path 
 import torch  # noqa: E402
 
 from mokgen import baselines as B  # noqa: E402
+from mokgen import reference as ref  # noqa: E402
 
 DEFAULT_SPECS = list(BF.DEFAULT_SPECS)
 DRY_RUN_SPECS = BF.DRY_RUN_SPECS
@@ -130,22 +131,7 @@ def liger_layer(fn: Any, spec) -> Callable[..., torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| accumulated in float64 a slab at a time (w1 of gpt-oss-120b has 2.1e9 elements: one
-    float64 copy of it would be 17 GB). NaN if either holds a NaN; ||a - b|| when b is all zeros."""
-    if a.shape != b.shape:
-        raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
-    a2 = a.detach().reshape(a.shape[0] if a.dim() > 1 else 1, -1)
-    b2 = b.detach().reshape(a2.shape)
-    step = max(1, (1 << 25) // max(1, a2.shape[1]))
-    num = torch.zeros((), dtype=torch.float64, device=a.device)
-    den = torch.zeros((), dtype=torch.float64, device=a.device)
-    for i in range(0, a2.shape[0], step):
-        ai, bi = a2[i:i + step].to(torch.float64), b2[i:i + step].to(torch.float64)
-        num += (ai - bi).square().sum()
-        den += bi.square().sum()
-    num, den = math.sqrt(num.item()), math.sqrt(den.item())
-    return num / den if den > 0 else num
+rel_err = ref.rel_err  # ||a - b|| / ||b|| in float64, a slab at a time (mokgen.reference)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -193,8 +179,6 @@ def pick_ref_dtype(spec, device: torch.device, want: str) -> torch.dtype:
 def reference_grads(spec, inp: dict[str, Any], dy: torch.Tensor, dtype: torch.dtype):
     """(y_ref, Grads) from ``mokgen.reference`` in ``dtype`` on inp's device; kept as float32 copies (half the
     memory of float64; rounding them costs 6e-8 relative)."""
-    from mokgen import reference as ref
-
     args = (inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"], spec, inp["b1"], inp["b2"])
     y = ref.forward(*args, dtype=dtype).to(torch.float32)
     g = ref.backward(dy, *args, dtype=dtype)
