@@ -76,7 +76,12 @@ class Setup:
         self.b1 = inp.b1 if inp.b1 is not None else torch.zeros(1, 1, device=dev)
         self.b2 = inp.b2 if inp.b2 is not None else torch.zeros(1, 1, device=dev)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.xg = torch.empty((self.cap, spec.hidden), dtype=torch.bfloat16, device=dev) if "gather" in self.fn else None
+        # GEMM 1 reads gathered rows (the gather kernel + TMA) unless its source gathers them itself; a cache entry
+        # holds the backward's `gather` kernel either way, so its presence says nothing about GEMM 1's A path
+        g1 = build_dir / "sources" / "gemm1.py"
+        a_gather = g1.is_file() and re.search(r"^A_GATHER = True", g1.read_text(), re.M) is not None
+        self.xg = (torch.empty((self.cap, spec.hidden), dtype=torch.bfloat16, device=dev)
+                   if "gather" in self.fn and not a_gather and "fused" not in self.fn else None)
         self.fused = "fused" in self.fn
         src = build_dir / "sources" / "fused.py"
         self.profile = self.fused and "PROFILE = True" in src.read_text()
