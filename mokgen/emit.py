@@ -287,7 +287,7 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
         return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
     training = plan.backward is not None
     if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it
-        render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=128,
+        render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=256,
                **_table("gather"))
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))

@@ -108,6 +108,26 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
         assert plan.gemm1.a_load == "tma" and name in ("gpt-oss-120b", "qwen3-30b-a3b")
         assert "cp.async.cg.shared.global" not in ptx and (Path(art.dir) / "gather.ptx").is_file()
     assert "match.any.sync" in (Path(art.dir) / "routing.ptx").read_text()
+    # the copies keep their loads in flight: every 16-byte load of a gathered row before the row's first store,
+    # and the combine's loads of all slots before its (branch-free) sum
+    ops = _global_ops(Path(art.dir) / "gather.ptx")
+    vecs = -(-load_spec(name).hidden // 8 // 32)  # 16-byte vectors per lane
+    assert ops.count("ld.global.v4") == vecs and "st.global.v4" not in ops[: ops.index("ld.global.v4") + vecs], ops
+    ops = _global_ops(Path(art.dir) / "combine.ptx")
+    assert "bra" not in ops[ops.index("ld.global.v4"): ops.index("st.global.v4")], ops
+
+
+def _global_ops(ptx_path: Path) -> list[str]:
+    """The global loads / stores and branches of a kernel's PTX, in order ("ld.global.v4", "bra", ...)."""
+    out = []
+    for line in ptx_path.read_text().splitlines():
+        words = line.strip().split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+        if op.startswith(("ld.global", "st.global")):
+            out.append(".".join(op.split(".")[:3]) if ".v4" in op else ".".join(op.split(".")[:2]))
+        elif op.startswith("bra"):
+            out.append("bra")
+    return out
 
 
 def test_l2_hints_emitted():
