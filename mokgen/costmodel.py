@@ -54,13 +54,12 @@ BENCH_FILES = (_REPO / "bench" / "results" / "forward-h200.json",)
 # gather pass; zero where the plan has no term (what the fit may find)
 PRIORS: dict[str, float] = {
     "g1.cooperative.gather": 1.0, "g1.cooperative.tma": 1.0, "g1.cooperative.tma_rows": 1.0,
-    "g1.cooperative.tma_self": 1.0,
     "g1.pingpong.gather": 1 / P.PINGPONG_EFF[1], "g1.pingpong.tma": 1 / P.PINGPONG_EFF[1],
-    "g1.pingpong.tma_rows": 1 / P.PINGPONG_EFF[1], "g1.pingpong.tma_self": 1 / P.PINGPONG_EFF[1],
+    "g1.pingpong.tma_rows": 1 / P.PINGPONG_EFF[1],
     "g2.cooperative": 1.0, "g2.pingpong": 1 / P.PINGPONG_EFF[2],
     "cluster2": 0.0, "fused": 0.0,
     "gather_pass": 1.0, "glue": 1.0, "weights": 0.0,
-    "tiles.gather": 0.0, "tiles.tma": 0.0, "tiles.tma_rows": 0.0, "tiles.tma_self": 0.0,
+    "tiles.gather": 0.0, "tiles.tma": 0.0, "tiles.tma_rows": 0.0,
 }
 TERMS = tuple(PRIORS)
 RIDGE = 0.05  # weight of (theta - prior) / max(prior, 1) against relative residuals

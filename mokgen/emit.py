@@ -140,8 +140,7 @@ def _gemm_params(plan: Plan, which: int, save_z: bool = False) -> dict[str, Any]
         return _grouped_params(
             plan, g, "gemm1_train" if save_z else "gemm1", bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
             n_stride=n_stride, k_stride=1, p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu",
-            save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows",
-            a_self=g.a_load == "tma_self")
+            save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows")
     return _grouped_params(
         plan, g, "gemm2", bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
         g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias))
@@ -168,7 +167,7 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
 def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_dim: int, parts: int,
                     n_stride: int, k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str,
                     save_z: bool = False, has_bias: bool = False, a_gather: bool = False,
-                    a_rows: bool = False, a_self: bool = False) -> dict[str, Any]:
+                    a_rows: bool = False) -> dict[str, Any]:
     """The render context of templates/sm90/grouped_gemm.py.j2 for kernel `kernel` of GEMM plan `g`: the
     problem's strides from the spec, every tile and pipeline choice from the plan."""
     spec = plan.spec
@@ -182,7 +181,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
     activation, act_limit = _activation(spec)
     z_n, z_p = (s // spec.hidden for s in _w1_strides(spec))
     return dict(
-        **_table(kernels.table_key(kernel, self_gather=a_self)),
+        **_table(kernel),
         n_out=n_out,
         k_dim=k_dim,
         groups=spec.groups,
@@ -210,7 +209,6 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         k_tiles=k_dim // g.bk,
         a_gather=a_gather,
         a_rows=a_rows,
-        a_self=a_self,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
         activation=activation,
@@ -280,10 +278,8 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
         files[f"{out_name}.py"] = text
 
     fused = plan.schedule == "fused"
-    # the fused kernel's and a self-gathering GEMM 1's counters live in `sync`, zeroed by the routing kernel
-    zero_sync = fused or plan.gemm1.a_load == "tma_self"
     render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
-           shared=spec.shared_experts, bm=plan.bm, zero_sync=zero_sync, **_table(kernels.table_key("routing", zero_sync)))
+           shared=spec.shared_experts, bm=plan.bm, zero_sync=fused, **_table(kernels.table_key("routing", fused)))
     if fused:
         render("sm90/fused.py.j2", "fused",
                f"Fused MoE forward of {spec.name}: gathered GEMM 1 + SwiGLU, GEMM 2 + routing weight, combine",

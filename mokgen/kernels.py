@@ -143,15 +143,6 @@ ARGS: dict[str, tuple[Arg, ...]] = {
         _NUM_CTAS,
     ),
 }
-# GEMM 1 gathering its own rows (plan a_load "tma_self"): `a` is the gathered-rows workspace it writes and reads
-_SELF = (
-    _t("x", "bf16", "tokens", "K_DIM", doc="[T, H] token rows (gathered into a by the producer's spare warps)"),
-    _t("sync", "int32", "nsync", written=True,
-       doc="[4 + max_m_tiles] row-chunk claim counter and rows gathered per routing tile, zeroed by the routing kernel"),
-)
-_A_SELF = _t("a", "bf16", "a_rows", "K_DIM", written=True, doc="[rows, H] gathered rows xg (written and read here)")
-for _k in ("gemm1", "gemm1_train"):
-    ARGS[_k + "_self"] = (_A_SELF,) + ARGS[_k][1:-1] + _SELF + (_NUM_CTAS,)
 ARGS["routing_sync"] = ARGS["routing"] + (
     _t("sync", "int32", "nsync", written=True, doc="[SYNC_DONE1 + max_m_tiles] the fused kernel's counters, zeroed"),
 )
@@ -165,7 +156,6 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "combine": {"tokens": None, "rows": None},
     "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2")},
-    **{k: {**_GROUPED_SYMS, "tokens": None, "nsync": None} for k in ("gemm1_self", "gemm1_train_self")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
 }
 
@@ -175,14 +165,9 @@ def names(kernel: str) -> tuple[str, ...]:
     return tuple(a.name for a in ARGS[kernel])
 
 
-def table_key(kernel: str, fused_routing: bool = False, self_gather: bool = False) -> str:
-    """ARGS key of a kernel as loaded: the routing of the fused schedule or of a self-gathering GEMM 1 takes the
-    sync workspace too (``fused_routing``); GEMM 1 gathering its own rows (``self_gather``) takes x and sync."""
-    if kernel == "routing":
-        return "routing_sync" if fused_routing or self_gather else kernel
-    if self_gather and kernel in ("gemm1", "gemm1_train"):
-        return kernel + "_self"
-    return kernel
+def table_key(kernel: str, fused_routing: bool = False) -> str:
+    """ARGS key of a kernel as loaded (the fused schedule's routing takes the sync workspace too)."""
+    return "routing_sync" if kernel == "routing" and fused_routing else kernel
 
 
 def call(fns: Mapping[str, Callable[..., Any]], kernel: str, *, table: str | None = None, **kw: Any) -> Any:

@@ -106,12 +106,6 @@ def uses_gather_kernel(plan: Any) -> bool:
     return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma"
 
 
-def self_gathers(plan: Any) -> bool:
-    """True when the plan's GEMM 1 gathers its own rows into the ``xg`` workspace with its spare producer warps
-    (a_load "tma_self": no gather kernel; the routing kernel zeroes the ``sync`` counters it uses)."""
-    return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma_self"
-
-
 def is_fused(plan: Any) -> bool:
     """True when the plan's schedule is "fused": routing, then one persistent kernel (GEMM 1, GEMM 2, combine)."""
     return getattr(plan, "schedule", "chain") == "fused"
@@ -164,9 +158,9 @@ class Workspace:
     slot_pos: torch.Tensor    # [T, K+S] int32
     h: torch.Tensor           # [cap_rows, I] bf16
     ys: torch.Tensor          # [cap_rows, H] bf16
-    xg: torch.Tensor | None = None  # [cap_rows, H] bf16 gathered rows of x (a gather kernel or GEMM 1's own)
-    sync: torch.Tensor | None = None  # [4 + max_m_tiles] int32 task / dependency counters (fused schedule, or
-    #                                   GEMM 1 gathering its own rows), zeroed; sync[2] is the wait-timeout flag
+    xg: torch.Tensor | None = None  # [cap_rows, H] bf16 gathered rows of x (only with a gather kernel)
+    sync: torch.Tensor | None = None  # [4 + max_m_tiles] int32 task / dependency counters (fused schedule only),
+    #                                   zeroed; sync[2] is the wait-timeout flag
 
     ZEROED = ("meta", "sync")   # the only buffers whose initial contents the kernels rely on
 
@@ -177,8 +171,8 @@ class Workspace:
         c = layer_config(spec_or_cfg)
         bm = _bm_of(plan)
         cap = cap_rows(tokens, c.topk, c.shared_experts, c.groups, bm)
-        extra = {"xg": ((cap, c.hidden), torch.bfloat16)} if uses_gather_kernel(plan) or self_gathers(plan) else {}
-        if is_fused(plan) or self_gathers(plan):
+        extra = {"xg": ((cap, c.hidden), torch.bfloat16)} if uses_gather_kernel(plan) else {}
+        if is_fused(plan):
             extra["sync"] = ((FUSED_SYNC_HEAD + cap // bm,), torch.int32)
         return {**extra,
             "row_src": ((cap,), torch.int32),
@@ -432,7 +426,6 @@ class CompiledMoE:
             _arch_number(self.arch)
         self.kernels = kernels_of(plan)
         self.gather = uses_gather_kernel(plan)
-        self.self_gather = self_gathers(plan)
         self.fused = is_fused(plan)
         if functions is None:
             if self.entry_dir is None:
@@ -658,16 +651,14 @@ class CompiledMoE:
                      tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos, h=ws.h, ys=ws.ys, y=y,
                      sync=ws.sync, num_ctas=num_ctas)
                 return self._after_call(st, ws, topk_idx, check, y)
-            sync = dict(table="routing_sync", sync=ws.sync) if self.self_gather else {}
             call(f, "routing", idx=topk_idx, weight=topk_weight, row_src=ws.row_src, row_w=ws.row_w,
-                 tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos, **sync)
+                 tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos)
             a = x
             if self.gather:
                 call(f, GATHER_KERNEL, x=x, row_src=ws.row_src, meta=ws.meta, xg=ws.xg)
                 a = ws.xg
-            own = dict(table="gemm1_self", a=ws.xg, x=x, sync=ws.sync) if self.self_gather else dict(a=a)
-            call(f, "gemm1", w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta, out=ws.h,
-                 num_ctas=num_ctas, **own)
+            call(f, "gemm1", a=a, w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta, out=ws.h,
+                 num_ctas=num_ctas)
             call(f, "gemm2", a=ws.h, w=w2, bias=b2_, row=ws.row_w, tile_group=ws.tile_group, meta=ws.meta,
                  out=ws.ys, num_ctas=num_ctas)
             call(f, "combine", ys=ws.ys, slot_pos=ws.slot_pos, y=y)
@@ -732,23 +723,17 @@ class CompiledMoE:
         # error-flag fold) comes after the long kernels are queued, so the GPU does not wait for the host between
         # the short routing kernel and GEMM 1 (bench/NOTES.md v7, tools/step_timeline.py).
         with self._stream(dev):
-            cap = sv.z.shape[0]
-            own: dict[str, Any] = {}
-            if self.self_gather:  # GEMM 1 gathers its own rows: counters for it, zeroed by the routing kernel
-                sync = torch.zeros((FUSED_SYNC_HEAD + cap // self.bm,), dtype=torch.int32, device=dev)
-                own = dict(table="gemm1_train_self", x=x, sync=sync)
             call(f, "routing", idx=topk_idx, weight=topk_weight, row_src=sv.row_src, row_w=sv.row_w,
-                 tile_group=sv.tile_group, meta=sv.meta, slot_pos=sv.slot_pos,
-                 **(dict(table="routing_sync", sync=own["sync"]) if own else {}))
+                 tile_group=sv.tile_group, meta=sv.meta, slot_pos=sv.slot_pos)
+            cap = sv.z.shape[0]
             a = x
-            if self.gather or self.self_gather:
-                a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
             if self.gather:
+                a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=a)
             h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)
             dummy = st.dummy
             call(f, "gemm1_train", a=a, w=w1, bias=b1 if b1 is not None else dummy, row=sv.row_src,
-                 tile_group=sv.tile_group, meta=sv.meta, out=h, z=sv.z, num_ctas=num_ctas, **own)
+                 tile_group=sv.tile_group, meta=sv.meta, out=h, z=sv.z, num_ctas=num_ctas)
             ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=sv.row_w, tile_group=sv.tile_group,
                  meta=sv.meta, out=ys, num_ctas=num_ctas)

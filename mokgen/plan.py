@@ -59,8 +59,7 @@ TALL_RASTER = {1: 32, 2: 16}
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 # Register split (setmaxnreg; 128 * producer + 256 * consumer <= 65536) by how the producer loads A: the
 # cp.async row gather keeps 8 row addresses per thread in registers, the TMA producers almost nothing.
-REGS = {"gather": (56, 224), "tma": (PRODUCER_REGS, 232), "tma_rows": (PRODUCER_REGS, 232),
-        "tma_self": (56, 224)}  # tma_self: the producer's warps 1-3 copy rows (4 vectors per lane in flight)
+REGS = {"gather": (56, 224), "tma": (PRODUCER_REGS, 232), "tma_rows": (PRODUCER_REGS, 232)}
 # Epilogue staging choices (plan.gemm*.epi_n / epi_stages; overrides epi_n, epi_stages): 32-column slices in
 # 2 buffers; 64 columns or 4 buffers measured within 1% on the H200 (bench/NOTES.md v2).
 EPI_NS = _SPACE.values("epi_n")
@@ -78,9 +77,7 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # with groups of 2000+ rows the fused gather is as fast or faster (v2: kimi-k2 2.698 vs 2.722 ms, glm-5 2.266
 # vs 2.370). So GEMM 1 gathers in its producer when the routed groups average at least GATHER_MIN_GROUP_ROWS
 # rows, else by the gather kernel + TMA. "tma_rows" measured slower everywhere (the TMA unit issuing 128 small
-# boxes per stage: kimi-k2 2.72 vs 2.56 ms) and is only an override. "tma_self" = GEMM 1's spare producer warps
-# gather the rows into the same workspace just ahead of its TMA loads (no gather kernel; x is read once per row,
-# not once per N tile as by the cp.async gather).
+# boxes per stage: kimi-k2 2.72 vs 2.56 ms) and is only an override.
 GEMM1_A_LOAD = "gather"
 GATHER_MIN_GROUP_ROWS = 1024
 A_LOADS = _SPACE.values("a_load", "gemm1")
@@ -515,7 +512,7 @@ def _glue_bytes(spec: Spec, g1: GemmPlan) -> int:
     (rows of x in, xg out) and combine (ys rows in, y out)."""
     slots = spec.tokens * (spec.topk + spec.shared_experts)
     routing = 8 * spec.routed_rows + 8 * _m_tiles(spec, g1.bm) * g1.bm + 4 * slots
-    gather = 2 * ELEM_BYTES * spec.rows * spec.hidden if g1.a_load in ("tma", "tma_self") else 0
+    gather = 2 * ELEM_BYTES * spec.rows * spec.hidden if g1.a_load == "tma" else 0
     combine = 4 * slots + ELEM_BYTES * spec.rows * spec.hidden + ELEM_BYTES * spec.tokens * spec.hidden
     return routing + gather + combine
 
@@ -709,7 +706,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(L2_HINTS)}, got {hint!r}")
             if hint != "normal" and schedule == "fused":
                 raise PlanError(f"plan.{key}: the fused schedule's loads take no L2 hints")
-            if name == "a_hint" and gemms[which].a_load not in ("tma", "tma_self"):
+            if name == "a_hint" and gemms[which].a_load != "tma":
                 if key == name:  # the key for both GEMMs applies to those that TMA-load A
                     continue
                 raise PlanError(f"plan.{key}: GEMM {which} reads A by {gemms[which].a_load!r}, not one TMA box per "
@@ -813,8 +810,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         *([f"  A: routed groups average {spec.routed_rows // spec.local_experts} rows "
            f"({'<' if _small_groups(spec) else '>='} "
            f"{GATHER_MIN_GROUP_ROWS}): default {_gemm1_a_load(spec)} (gather = cp.async in GEMM 1's producer, "
-           f"tma = gather kernel + TMA, tma_self = GEMM 1's spare producer warps gather ahead of its TMA)"]
-          if which == 1 else []),
+           f"tma = gather kernel + TMA)"] if which == 1 else []),
         f"  bn = {g.bn}: {bn_rule}",
         f"  smem per stage = {_rules().STAGE_BYTES} = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
         f"barriers {BARRIER_BYTES} B",

@@ -612,22 +612,14 @@ def ref_wgrad(a, b, group_start, out, num_ctas, *, accumulate: bool = False) -> 
             out[g] = val.to(out.dtype)
 
 
-def reference_kernels_for(spec_or_cfg, plan, training: bool = False) -> dict[str, Callable[..., None]]:
-    """:func:`reference_kernels` with the variant a plan's library has (its GEMM 1 A path and schedule)."""
-    a_load = plan.gemm1.a_load
-    return reference_kernels(spec_or_cfg, plan.bm, gather=a_load == "tma", fused=plan.schedule == "fused",
-                             training=training, self_gather=a_load == "tma_self")
-
-
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
-                      training: bool = False, self_gather: bool = False) -> dict[str, Callable[..., None]]:
+                      training: bool = False) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
     from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
     kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the fused schedule's two
     kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and ``fused`` (GEMM 1,
-    GEMM 2 and combine). ``self_gather=True``: GEMM 1 gathers its own rows into its ``a`` workspace (plan
-    a_load "tma_self"; routing zeroes ``sync`` as for the fused schedule)."""
+    GEMM 2 and combine)."""
     from .kernels import bind
 
     cfg = layer_config(spec_or_cfg)
@@ -658,26 +650,11 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         "routing": routing, "gemm1": gemm1, "gemm2": gemm2,
         "combine": lambda ys, slot_pos, y: ref_combine(ys, slot_pos, y),
     }
-    tables: dict[str, str] = {}
-    if self_gather:
-        def gemm1(a, w, bias, row, tile_group, meta, out, x, sync, num_ctas):  # noqa: F811
-            ref_gather(x, row, meta, a, bm=bm)
-            ref_gemm1(a, w, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=True)
-
-        impls["gemm1"] = gemm1
-        tables.update(routing="routing_sync", gemm1="gemm1_self")
     if gather or training:
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
         def gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas):
             ref_gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=gather)
-
-        if self_gather:
-            def gemm1_train(a, w, bias, row, tile_group, meta, out, z, x, sync, num_ctas):  # noqa: F811
-                ref_gather(x, row, meta, a, bm=bm)
-                ref_gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=True)
-
-            tables["gemm1_train"] = "gemm1_train_self"
 
         def dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas):
             ref_dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
@@ -691,4 +668,4 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
                 impls[name + ("_acc" if acc else "")] = (
                     lambda a, b, group_start, out, num_ctas, _acc=acc:
                     ref_wgrad(a, b, group_start, out, num_ctas, accumulate=_acc))
-    return {name: bind(name, impl, table=tables.get(name)) for name, impl in impls.items()}
+    return {name: bind(name, impl) for name, impl in impls.items()}

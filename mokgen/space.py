@@ -81,10 +81,9 @@ SM90 = ArchSpace(
              doc="pipeline stages; derived: as many as fit the shared memory (capped)"),
         Knob("consumer", _FWD, ("cooperative", "pingpong"), shared=True, search=("cooperative", "pingpong"),
              doc="two warpgroups on one 128-row tile, or each on its own 64-row tile (epilogue overlap, 64-row padding)"),
-        Knob("a_load", ("gemm1",), ("gather", "tma", "tma_rows", "tma_self"), search=("gather", "tma", "tma_self"),
-             doc="GEMM 1's A rows: cp.async gather in the producer, gather kernel + TMA, one TMA box per row "
-                 "(tma_rows measured slower everywhere: not searched), or the producer's spare warps gather the "
-                 "rows ahead of GEMM 1's own TMA loads (no gather kernel)"),
+        Knob("a_load", ("gemm1",), ("gather", "tma", "tma_rows"), search=("gather", "tma"),
+             doc="GEMM 1's A rows: cp.async gather in the producer, gather kernel + TMA, or one TMA box per row "
+                 "(tma_rows measured slower everywhere: not searched)"),
         Knob("raster_group", _FWD, tuple(range(1, _RASTER_MAX + 1)), shared=True, search=None,
              doc="M tiles per raster panel; derived: L2 fit, tall panels where one group's W exceeds L2/4"),
         Knob("cluster", _FWD, (1, 2), shared=True, search=(1, 2),
@@ -188,7 +187,7 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
             out.append(f"schedule: fused needs gemm1_bn == gemm2_bn dividing hidden {spec.hidden}, got {b1}/{b2}")
         if cfg.get("gemm1_a_load", "gather") != "gather":
             out.append("gemm1_a_load: the fused template gathers its rows itself")
-    if cfg.get("gemm1_a_load", "tma") not in ("tma", "tma_self") and "gemm1_a_hint" in cfg and cfg["gemm1_a_hint"] != "normal":
+    if cfg.get("gemm1_a_load", "tma") != "tma" and "gemm1_a_hint" in cfg and cfg["gemm1_a_hint"] != "normal":
         out.append("gemm1_a_hint: GEMM 1 does not load A by TMA boxes of a tile")
     if out or not any(backward_kernel(k) in _BWD for k in cfg):
         return out
@@ -269,7 +268,7 @@ def check_plan(plan: Any) -> list[str]:
                        f"{P._consumer_regs(a)}")
         if plan.bm % tile_m:
             out.append(f"{name}: {tile_m}-row tiles do not divide the routing tile {plan.bm}")
-        if g.a_hint != "normal" and g.a_load not in ("tma", "tma_self"):
+        if g.a_hint != "normal" and g.a_load != "tma":
             out.append(f"{name}.a_hint {g.a_hint!r} but A is not loaded by TMA tiles")
     if plan.backward is not None:
         out += _check_backward_plan(plan)

@@ -185,28 +185,6 @@ def test_tma_rows_compiles(name, overrides, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])  # ping-pong, cooperative tiles
-def test_self_gathering_gemm1_compiles(name, tmp_path):
-    """gemm1_a_load=tma_self: no gather kernel in the forward; the routing kernel zeroes the sync counters;
-    GEMM 1 (and gemm1_train) claim row chunks (atomic), count them per routing tile (release) and wait for a
-    tile's count (acquire) before the generic-to-async proxy fence and the TMA loads of its rows."""
-    pytest.importorskip("cutlass")
-    plan = solve(load_spec(name), "sm_90a", gemm1_a_load="tma_self")
-    src = emit(plan)
-    assert "A_SELF = True" in src.files["gemm1.py"] and "A_SELF = True" in src.files["gemm1_train.py"]
-    assert "mSync: cute.Tensor" in src.files["routing.py"]
-    fwd = emit(dataclasses.replace(plan, backward=None))
-    assert "gather.py" not in fwd.files
-    art = _compile_all(src, tmp_path)
-    for k in ("gemm1",):
-        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
-        for op in ("atom.global.add", "red.release.gpu", "ld.acquire.gpu", "fence.proxy.async.global",
-                   "wgmma.mma_async", "cp.async.bulk.tensor"):
-            assert op in ptx, (k, op)
-        assert "cp.async.cg.shared.global" not in ptx
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kimi-k2", "gpt-oss-120b"])
 def test_fused_schedule_compiles(name, tmp_path):
     """schedule "fused": routing (zeroing the counters) + one persistent kernel; its PTX has the single wide

@@ -15,7 +15,6 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
 
 from mokgen import ops  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
-from mokgen import kernels as kernels_table  # noqa: E402
 from mokgen.ops import CompiledMoE, MoEInputError, RoutingError, Workspace, cap_rows  # noqa: E402
 from mokgen.reference import LayerConfig, rel_err  # noqa: E402
 
@@ -317,38 +316,6 @@ def test_call_order_with_gather_kernel():
     assert args["gemm1"][0] is xg and args["gemm1"][2] is a["b1"] and args["gemm2"][2] is a["b2"]
     y_ref = ref.forward(*[a[k] for k in ("x", "topk_idx", "topk_weight", "w1", "w2")], cfg, a["b1"], a["b2"])
     assert rel_err(y.float(), y_ref) < 1e-2
-
-
-def test_call_order_gemm1_gathers_its_own_rows():
-    """a_load "tma_self": no gather kernel; routing zeroes the sync counters, GEMM 1 gets x, the xg workspace
-    (which it writes and reads) and those counters; the forward and the autograd step match the reference."""
-    cfg = small(bias=True)
-    plan = SimpleNamespace(bm=BM, gemm1=SimpleNamespace(a_load="tma_self"))
-    assert ops.kernels_of(plan) == ops.KERNELS and ops.self_gathers(plan) and not ops.uses_gather_kernel(plan)
-    rec = Recorder(ref.reference_kernels(cfg, BM, training=True, self_gather=True))
-    moe = CompiledMoE(cfg, plan, functions=rec.fns, allow_cpu=True)
-    a = good_args(cfg, T=20)
-    y = call(moe, a, num_ctas=66)
-    assert rec.names == ["routing", "gemm1", "gemm2", "combine"]
-    args = dict(rec.calls)
-    lay = Workspace.layout(cfg, plan, 20)
-    sync = routing_buffers(rec)[5]
-    assert (tuple(sync.shape), sync.dtype) == lay["sync"] == ((4 + lay["tile_group"][0][0],), torch.int32)
-    g1 = dict(zip(kernels_table.names("gemm1_self"), args["gemm1"]))
-    assert (tuple(g1["a"].shape), g1["a"].dtype) == lay["xg"]
-    assert g1["x"] is a["x"] and g1["sync"] is sync and g1["row"] is routing_buffers(rec)[0] and g1["num_ctas"] == 66
-    y_ref = ref.forward(*[a[k] for k in ("x", "topk_idx", "topk_weight", "w1", "w2")], cfg, a["b1"], a["b2"])
-    assert rel_err(y.float(), y_ref) < 1e-2
-    # training: the same kernels with z saved; gradients as the reference's
-    rec.calls.clear()
-    x, idx, w, w1, w2, b1, b2, mid = op_args(cfg, moe, T=21, requires_grad=True)
-    out = ops.moe_forward(x, idx, w, w1, w2, b1, b2, moe=moe)
-    assert rec.names[:4] == ["routing", "gemm1_train", "gemm2", "combine"]
-    dy = torch.randn(21, cfg.hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
-    out.backward(dy)
-    g = ref.backward(dy, x.detach(), idx, w.detach(), w1.detach(), w2.detach(), cfg, b1.detach(), b2.detach())
-    for leaf, want in [(x, g.x), (w, g.topk_weight), (w1, g.w1), (w2, g.w2), (b1, g.b1), (b2, g.b2)]:
-        assert rel_err(leaf.grad, want) < 2e-2
 
 
 def test_call_order_fused_schedule():

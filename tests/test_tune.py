@@ -88,12 +88,13 @@ class _Marked:
 
     def __init__(self, cand, spec):
         from mokgen.ops import CompiledMoE
-        from mokgen.reference import reference_kernels_for
+        from mokgen.reference import reference_kernels
 
         p = cand.plan
         self.label = cand.label
         self.cfg = cand.cfg
-        self.moe = CompiledMoE(spec, p, functions=reference_kernels_for(spec, p), allow_cpu=True)
+        self.moe = CompiledMoE(spec, p, functions=reference_kernels(spec, p.bm, gather=p.gemm1.a_load == "tma",
+                                                                    fused=p.schedule == "fused"), allow_cpu=True)
 
     def __call__(self, x, *args):
         _Marked.last = (self.label, x.shape[0])
@@ -268,7 +269,7 @@ def test_kernel_cache_compiles_shared_kernel_code_once(mokgen_cache: Path, tmp_p
 def test_piecewise_moe_picks_the_piece_by_T():
     import mokgen
     from mokgen.ops import CompiledMoE
-    from mokgen.reference import random_inputs, reference_kernels_for
+    from mokgen.reference import random_inputs, reference_kernels
 
     spec = load_spec(TINY)
     used = []
@@ -283,7 +284,8 @@ def test_piecewise_moe_picks_the_piece_by_T():
 
     fwd = dataclasses.replace(P.solve(spec, "sm_90a"), backward=None)
     mk = lambda name: CompiledMoE(spec, fwd, allow_cpu=True,  # noqa: E731
-                                  functions={**(k := reference_kernels_for(spec, fwd)), "gemm1": tag(k, name)})
+                                  functions={**(k := reference_kernels(spec, fwd.bm, gather=fwd.gemm1.a_load
+                                                                       == "tma")), "gemm1": tag(k, name)})
     pm = driver.PiecewiseMoE([(1, 100, mk("small")), (100, 0, mk("large"))])
     for t, want in ((64, "small"), (100, "large"), (256, "large")):
         inp = random_inputs(C.with_tokens(spec, t), tokens=t)
@@ -345,9 +347,10 @@ def test_pack_carries_the_tuning_records(mokgen_cache: Path, tmp_path: Path, mon
 # ---- tune --train: the backward knobs, timed as training steps (fakes) -----------------------------------------
 def _train_moe(spec, plan):
     from mokgen.ops import CompiledMoE
-    from mokgen.reference import reference_kernels_for
+    from mokgen.reference import reference_kernels
 
-    return CompiledMoE(spec, plan, allow_cpu=True, functions=reference_kernels_for(spec, plan, training=True))
+    return CompiledMoE(spec, plan, allow_cpu=True, functions=reference_kernels(
+        spec, plan.bm, gather=plan.gemm1.a_load == "tma", training=True))
 
 
 def test_tune_train_picks_the_measured_winner_stores_it_and_compile_applies_it(

@@ -79,12 +79,9 @@ class Setup:
         # GEMM 1 reads gathered rows (the gather kernel + TMA) unless its source gathers them itself; a cache entry
         # holds the backward's `gather` kernel either way, so its presence says nothing about GEMM 1's A path
         g1 = build_dir / "sources" / "gemm1.py"
-        g1_src = g1.read_text() if g1.is_file() else ""
-        a_gather = re.search(r"^A_GATHER = True", g1_src, re.M) is not None
-        # GEMM 1 gathers its own rows into xg (a_load "tma_self"): the routing kernel zeroes its counters
-        self.a_self = re.search(r"^A_SELF = True", g1_src, re.M) is not None
+        a_gather = g1.is_file() and re.search(r"^A_GATHER = True", g1.read_text(), re.M) is not None
         self.xg = (torch.empty((self.cap, spec.hidden), dtype=torch.bfloat16, device=dev)
-                   if self.a_self or ("gather" in self.fn and not a_gather and "fused" not in self.fn) else None)
+                   if "gather" in self.fn and not a_gather and "fused" not in self.fn else None)
         self.fused = "fused" in self.fn
         src = build_dir / "sources" / "fused.py"
         self.profile = self.fused and "PROFILE = True" in src.read_text()
@@ -113,7 +110,7 @@ class Setup:
 
     def k_routing(self, w):
         i = self.inp
-        extra = (w["sync"],) if self.fused or self.a_self else ()
+        extra = (w["sync"],) if self.fused else ()
         self.fn["routing"](i.topk_idx, i.topk_weight, w["row_src"], w["row_w"], w["tile_group"], w["meta"], w["slot_pos"], *extra)
 
     def k_fused(self, w, num_ctas=None):
@@ -123,10 +120,6 @@ class Setup:
 
     def k_gemm1(self, w, num_ctas=None):
         a = self.inp.x
-        if self.a_self:
-            self.fn["gemm1"](self.xg, self.inp.w1, self.b1, w["row_src"], w["tile_group"], w["meta"], w["h"],
-                             self.inp.x, w["sync"], num_ctas or self.sms)
-            return
         if self.xg is not None:
             self.fn["gather"](self.inp.x, w["row_src"], w["meta"], self.xg)
             a = self.xg
