@@ -229,7 +229,8 @@ def test_bench_dry_run(tmp_path, capsys):
     assert isinstance(recs, list) and recs
     for r in recs:
         extra = set(r) - set(bench.RECORD_FIELDS)
-        assert set(bench.RECORD_FIELDS) <= set(r) and extra <= {"error"}, r
+        assert set(bench.RECORD_FIELDS) <= set(r) and extra <= {"error", "timing"}, r
+        assert r["timing"].startswith("perf_counter median"), r
     assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
     impls = {(r["shape"], r["impl"]) for r in recs}
     shapes = [s["name"] for s in bench.DRY_RUN_SPECS]
@@ -268,6 +269,22 @@ def test_bench_dry_run_yaml_spec(tmp_path):
     recs = json.loads(out.read_text())
     assert {r["shape"] for r in recs} == {"tiny-yaml"}
     assert all(r["dims"]["T"] == 64 and r["dims"]["rows"] == 64 * 7 for r in recs)
+
+
+def test_timer_settles_before_timing_and_says_so(capsys):
+    """--settle-s runs each callable back to back before its timing (not before fixed-rep ones) and the records'
+    timing says so; a negative value is refused."""
+    bench = _load_bench()
+    calls = []
+    t = bench.Timer(torch.device("cpu"), settle_s=0.05)
+    assert t(lambda: calls.append(1)) >= 0 and len(calls) > 3 + 1  # settled (many calls), then 1 warmup + 3 reps
+    assert t.method == "perf_counter median, settled 0.05 s before each timing"
+    calls.clear()
+    t(lambda: calls.append(1), reps=2, warmup=0)
+    assert len(calls) == 2
+    assert bench.Timer(torch.device("cpu")).method == "perf_counter median"
+    assert bench.main(["--dry-run", "--settle-s", "-1", "--out", "-"]) == 2
+    assert "--settle-s must be >= 0" in capsys.readouterr().err
 
 
 def test_bench_bad_impl_is_one_line_error(capsys):

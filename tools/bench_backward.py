@@ -223,20 +223,9 @@ def _record(ctx, shape, dims, impl, res: dict[str, Any], flops: int, base_ms, li
 
 def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", device: torch.device, seed: int,
                 variants: list[dict[str, Any]] | None = None, rounds: int = 1, ref_dtype: str = "auto",
-                liger: tuple[Any, bool] | str | None = None, settle_s: float = 0.0) -> list[dict[str, Any]]:
+                liger: tuple[Any, bool] | str | None = None) -> list[dict[str, Any]]:
     """Records of one shape. ``liger``: (LigerFusedMoEFunction-like, autotune) or an error string (import
-    failed) or None (not requested). ``settle_s``: run each callable back to back this long before timing it, so
-    every implementation is timed in its own sustained regime, not in the one its predecessor left."""
-    base_timer = timer
-
-    def timer(fn):  # noqa: F811 - the settled timer
-        if settle_s > 0 and device.type == "cuda":
-            end = time.perf_counter() + settle_s
-            while time.perf_counter() < end:
-                fn()
-            torch.cuda.synchronize(device)
-        return base_timer(fn)
-
+    failed) or None (not requested). The timer settles each callable first when built with ``settle_s``."""
     shape = spec.name
     dims = BF.spec_dims(spec)
     flops = BF.spec_flops(spec)
@@ -256,7 +245,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
     ref_s = time.perf_counter() - t0
     extra = dict(grad_ref=f"mokgen.reference.backward {str(rdt).replace('torch.', '')} on {device.type}",
                  liger_autotune=liger[1] if isinstance(liger, tuple) else None,
-                 timing=base_timer.method + (f", settled {settle_s:g} s before each timing" if settle_s > 0 else ""))
+                 timing=timer.method)
     _log(f"[{shape}] reference ({extra['grad_ref']}) {ref_s:.1f}s")
 
     # the leaves: the input tensors themselves (make_inputs' tensors are leaves without grad)
@@ -553,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_backward: {_short_error(e)}", file=sys.stderr)
         return 2
 
-    timer = BF.Timer(device, args.warmup_ms, args.rep_ms)
+    if args.settle_s < 0:
+        print("bench_backward: --settle-s must be >= 0", file=sys.stderr)
+        return 2
+    timer = BF.Timer(device, args.warmup_ms, args.rep_ms, settle_s=args.settle_s)
     versions = BF.collect_versions()
     liger: tuple[Any, bool] | str | None = None
     if "liger" in impls:
@@ -577,8 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, spec in enumerate(specs):
         records += bench_shape(spec, impls, ctx, timer, device, args.seed + i,
                                variants=[] if device.type == "cpu" else BF.parse_variants(args.variants),
-                               rounds=max(1, args.rounds), ref_dtype=args.ref_dtype, liger=liger,
-                               settle_s=args.settle_s)
+                               rounds=max(1, args.rounds), ref_dtype=args.ref_dtype, liger=liger)
         BF._free(device)
     _log(f"total {time.perf_counter() - t_start:.1f}s")
     print_table(records, f"MoE forward+backward, {ctx['gpu']} ({timer.method})")

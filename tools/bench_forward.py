@@ -162,11 +162,16 @@ def reference_output(spec, inp: dict[str, Any], dtype: torch.dtype) -> tuple[tor
 
 
 class Timer:
-    """Median of a callable: triton's do_bench on CUDA, CUDA events without triton, perf_counter on CPU."""
+    """Median of a callable: triton's do_bench on CUDA, CUDA events without triton, perf_counter on CPU.
 
-    def __init__(self, device: torch.device, warmup_ms: float = 25, rep_ms: float = 100):
+    ``settle_s`` > 0: before each timing (but fixed-rep ones), run the callable back to back for that many seconds,
+    so every implementation is timed in the clock regime its own sustained load sets (this H200 throttles at its
+    power cap), not in the one the previously timed implementation left behind."""
+
+    def __init__(self, device: torch.device, warmup_ms: float = 25, rep_ms: float = 100, settle_s: float = 0.0):
         self.device = device
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.settle_s = float(settle_s)
         self.do_bench = None
         if device.type == "cuda":
             try:
@@ -179,11 +184,23 @@ class Timer:
     @property
     def method(self) -> str:
         if self.device.type != "cuda":
-            return "perf_counter median"
-        return "triton do_bench median" if self.do_bench else "cuda events median"
+            base = "perf_counter median"
+        else:
+            base = "triton do_bench median" if self.do_bench else "cuda events median"
+        return base + (f", settled {self.settle_s:g} s before each timing" if self.settle_s > 0 else "")
+
+    def settle(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` back to back for ``settle_s`` seconds (and wait for the GPU to finish it)."""
+        end = time.perf_counter() + self.settle_s
+        while time.perf_counter() < end:
+            fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def __call__(self, fn: Callable[[], Any], reps: int | None = None, warmup: int | None = None) -> float:
-        """Median milliseconds. ``reps``/``warmup`` force fixed counts (for slow, syncing baselines)."""
+        """Median milliseconds. ``reps``/``warmup`` force fixed counts (for slow, syncing baselines; no settling)."""
+        if reps is None and self.settle_s > 0:
+            self.settle(fn)
         if self.device.type != "cuda":
             for _ in range(1 if warmup is None else warmup):
                 fn()
@@ -450,6 +467,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
     recs = [_record(ctx, shape, dims, i, results[i]["ms"], flops, base, results[i]["err"], results[i]["det"],
                     results[i]["error"]) for i in order]
     for rec, i in zip(recs, order):
+        rec["timing"] = timer.method if i != "torch_loop" else (
+            "cuda events median" if device.type == "cuda" else "perf_counter median") + ", fixed reps"
         if len(results[i].get("rounds", ())) > 1:
             rec["round_ms"] = results[i]["rounds"]
         if results[i].get("plan"):
@@ -470,6 +489,7 @@ def bench_dense(n: int, ctx, timer: Timer, device) -> dict[str, Any]:
         del out1, out2
         ms = timer(lambda: B.dense_mm(a, b))
         rec = _record(ctx, f"dense-{n}", dims, "dense_mm", ms, 2 * n ** 3, None, None, det)
+        rec["timing"] = timer.method
         _log(f"[dense-{n}] dense_mm: {ms:.4f} ms  {rec['tflops']:.1f} TFLOP/s  det={det}")
     except Exception as e:  # noqa: BLE001
         rec = _record(ctx, f"dense-{n}", dims, "dense_mm", None, 2 * n ** 3, None, None, None, _short_error(e))
@@ -548,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny specs, CPU-capable baselines only")
     ap.add_argument("--rounds", type=int, default=1, help="time every implementation (but torch_loop) this many "
                     "times, interleaved, and record the median of the rounds (default 1)")
+    ap.add_argument("--settle-s", type=float, default=0.0, help="run each implementation back to back this many "
+                    "seconds before each of its timings (its own sustained regime; recorded as the records' timing)")
     ap.add_argument("--variants", default=None, help="extra mokgen plans to time, recorded as impl "
                     "'mokgen[k=v,...]': ';'-separated variants of ','-separated plan overrides, e.g. "
                     "'schedule=chain;schedule=fused'")
@@ -591,7 +613,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_forward: {_short_error(e)}", file=sys.stderr)
         return 2
 
-    timer = Timer(device, args.warmup_ms, args.rep_ms)
+    if args.settle_s < 0:
+        print("bench_forward: --settle-s must be >= 0", file=sys.stderr)
+        return 2
+    timer = Timer(device, args.warmup_ms, args.rep_ms, settle_s=args.settle_s)
     ctx = dict(gpu=gpu_name(device), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                versions=collect_versions())
     _log(f"bench_forward on {ctx['gpu']}; {timer.method}; versions {ctx['versions']}; impls {impls}")
