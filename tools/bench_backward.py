@@ -457,23 +457,7 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
                      "-" if r["bitwise_deterministic"] is None else ("yes" if r["bitwise_deterministic"] else "NO"),
                      "-" if r["saved_bytes"] is None else f"{r['saved_bytes'] / 2 ** 20:.1f}",
                      f(r["peak_mem_mb"], ".0f")])
-    try:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        t = Table(title=title)
-        for i, h in enumerate(header):
-            t.add_column(h, justify="left" if i < 2 else "right")
-        for row in rows:
-            t.add_row(*(escape(c) for c in row))
-        Console(width=max(150, Console().width)).print(t)
-    except ImportError:
-        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-        print(title)
-        print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-        for row in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    BF.render_table(title, header, rows, width=150)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -516,18 +516,23 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
                      "-" if r["speedup_vs_grouped_mm"] is None else f"{r['speedup_vs_grouped_mm']:.2f}x",
                      "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
                      "-" if r["bitwise_deterministic"] is None else ("yes" if r["bitwise_deterministic"] else "NO")])
+    render_table(title, header, rows, width=120)
+
+
+def render_table(title: str, header: list[str], rows: list[list[str]], width: int) -> None:
+    """A table with rich (at least ``width`` columns) or, without rich, as padded plain text. The first two
+    columns are left-aligned (shape, impl), the rest right-aligned."""
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=title)
         for i, h in enumerate(header):
             t.add_column(h, justify="left" if i < 2 else "right")
-        from rich.markup import escape
-
         for row in rows:
             t.add_row(*(escape(c) for c in row))  # impl names like "mokgen[schedule=fused]" are not markup
-        Console(width=max(120, Console().width)).print(t)
+        Console(width=max(width, Console().width)).print(t)
     except ImportError:
         widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
         print(title)
