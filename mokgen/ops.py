@@ -705,18 +705,19 @@ class CompiledMoE:
                      meta=torch.zeros((4,), dtype=torch.int32, **e),
                      slot_pos=torch.empty((tokens, c.topk + c.shared_experts), dtype=torch.int32, **e))
 
-    def forward_train(self, x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *,
+    def forward_train(self, x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, out: torch.Tensor | None = None,
                       num_ctas: int | None = None) -> tuple[torch.Tensor, Saved]:
         """(y, saved): the forward of a training step. Same kernels as :meth:`__call__` except GEMM 1, which also
         stores the pre-activation z; every buffer belongs to this call (nothing is shared with other calls).
+        ``out`` ([T, H] bf16, contiguous): y is written into it by the combine kernel and returned.
         Routing errors set a sticky flag that :meth:`check_errors` reports."""
         self._need_training()
-        topk_idx = self.validate(x, topk_idx, topk_weight, w1, w2, b1, b2)
+        topk_idx = self.validate(x, topk_idx, topk_weight, w1, w2, b1, b2, out)
         num_ctas = self._num_ctas(x.device, num_ctas)
         c, T, dev = self.cfg, x.shape[0], x.device
         sv = self.new_saved(T, dev)
         if T == 0:
-            return torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev), sv
+            return (out if out is not None else torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)), sv
         st = self._state(dev)
         f = self._fns
         # Host order: each kernel is launched as early as its inputs allow and host-side work (allocations, the
@@ -737,7 +738,7 @@ class CompiledMoE:
             ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=sv.row_w, tile_group=sv.tile_group,
                  meta=sv.meta, out=ys, num_ctas=num_ctas)
-            y = torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
+            y = out if out is not None else torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=ys, slot_pos=sv.slot_pos, y=y)
             self._record_errors(st, sv.meta)
         return y, sv
@@ -749,7 +750,7 @@ class CompiledMoE:
 
     def backward(self, dy, saved: Saved, x, topk_weight, w1, w2, b1=None, b2=None, *,
                  w1_main_grad: torch.Tensor | None = None, w2_main_grad: torch.Tensor | None = None,
-                 num_ctas: int | None = None) -> reference.Grads:
+                 out: reference.Grads | None = None, num_ctas: int | None = None) -> reference.Grads:
         """Gradients of one :meth:`forward_train` call (``saved``) for the output gradient ``dy [T, H]``.
 
         Kernels, in stream order: gather dO rows; dgrad1 (dA' = dO . W2, dSwiGLU epilogue: dz, s a and the
@@ -757,6 +758,11 @@ class CompiledMoE:
         over each token's slots in a fixed order); gather x rows; wgrad1 (dW1). No float atomics, no host sync:
         bitwise deterministic and independent of ``num_ctas``. With ``w1_main_grad`` / ``w2_main_grad`` (fp32,
         the weights' shapes) the weight gradients are added into them and returned as None.
+
+        ``out`` (a :class:`mokgen.reference.Grads` whose fields are tensors or None): caller-owned buffers, each
+        shaped and typed like its input, for the gradients to be written into (dx, dw1, dw2 by the kernels; the
+        router and bias gradients, which torch reductions compute, are copied in); None fields are allocated.
+        With a main_grad buffer the matching ``out.w1`` / ``out.w2`` must be None.
         """
         self._need_training()
         c = self.cfg
@@ -772,11 +778,15 @@ class CompiledMoE:
                                 f"[{', '.join(map(str, w.shape))}] on {w.device}, got {_fmt(mg)}")
         num_ctas = self._num_ctas(x.device, num_ctas)
         dev = x.device
+        out = self._grad_buffers(out, x, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad)
         if T == 0:   # nothing routed: zero gradients (the main_grad accumulators are left as they are)
-            z = torch.zeros_like
-            return reference.Grads(z(x), z(topk_weight), z(w1) if w1_main_grad is None else None,
-                                   z(w2) if w2_main_grad is None else None, None if b1 is None else z(b1),
-                                   None if b2 is None else z(b2))
+            def z(name, like):
+                o = getattr(out, name)
+                return o.zero_() if o is not None else torch.zeros_like(like)
+            return reference.Grads(z("x", x), z("topk_weight", topk_weight),
+                                   z("w1", w1) if w1_main_grad is None else None,
+                                   z("w2", w2) if w2_main_grad is None else None, None if b1 is None else z("b1", b1),
+                                   None if b2 is None else z("b2", b2))
         cap = saved.z.shape[0]
         tiles = cap // self.bm
         dummy = self._state(dev).dummy
@@ -802,13 +812,13 @@ class CompiledMoE:
                 db2 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
             dw2 = None
             if w2_main_grad is None:
-                dw2 = torch.empty_like(w2)
+                dw2 = out.w2 if out.w2 is not None else torch.empty_like(w2)
                 call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
             else:
                 call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
             call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=buf,
                  num_ctas=num_ctas)
-            dx = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+            dx = out.x if out.x is not None else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=buf, slot_pos=sv.slot_pos, y=dx)
             # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>
             pos = sv.slot_pos[:, :K].long()
@@ -825,11 +835,37 @@ class CompiledMoE:
             call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
             dw1 = None
             if w1_main_grad is None:
-                dw1 = torch.empty_like(w1)
+                dw1 = out.w1 if out.w1 is not None else torch.empty_like(w1)
                 call(f, "wgrad1", a=dz, b=buf, group_start=group_start, out=dw1, num_ctas=num_ctas)
             else:
                 call(f, "wgrad1_acc", a=dz, b=buf, group_start=group_start, out=w1_main_grad, num_ctas=num_ctas)
+        dtw, db1, db2 = (t if o is None or t is None else o.copy_(t)
+                         for t, o in ((dtw, out.topk_weight), (db1, out.b1), (db2, out.b2)))
         return reference.Grads(dx, dtw, dw1, dw2, db1, db2)
+
+    def _grad_buffers(self, out, x, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad) -> reference.Grads:
+        """``backward``'s ``out``, checked field by field against its input (None: allocate)."""
+        if out is None:
+            return reference.Grads(None, None, None, None, None, None)
+        if not isinstance(out, reference.Grads):
+            raise self._err(f"out must be a mokgen.reference.Grads (fields tensors or None), got "
+                            f"{type(out).__name__}")
+        like = dict(x=x, topk_weight=topk_weight, w1=w1, w2=w2, b1=b1, b2=b2)
+        for name, o in zip(reference.Grads._fields, out):
+            if o is None:
+                continue
+            ref_t = like[name]
+            if ref_t is None:
+                raise self._err(f"out.{name} must be None: there is no {name} (the spec has no bias)")
+            if (name, True) in (("w1", w1_main_grad is not None), ("w2", w2_main_grad is not None)):
+                raise self._err(f"out.{name} must be None when {name}_main_grad is given (the gradient is added "
+                                "into the main_grad buffer)")
+            if (not isinstance(o, torch.Tensor) or o.shape != ref_t.shape or o.dtype != ref_t.dtype
+                    or o.device != ref_t.device or not o.is_contiguous()):
+                got = _fmt(o) if isinstance(o, torch.Tensor) else type(o).__name__
+                raise self._err(f"out.{name} must be a contiguous tensor like {name} ({_fmt(ref_t)} on "
+                                f"{ref_t.device}), got {got}" + (f" on {o.device}" if isinstance(o, torch.Tensor) else ""))
+        return out
 
     def _timeout_msg(self) -> str:
         return (f"mokgen {self.name}: a dependency wait of the fused kernel timed out (a bug, or the GPU was "

@@ -134,9 +134,7 @@ def test_torch_grouped_mm_empty_expert():
 
 
 def test_reference_module_agrees():
-    """When mokgen.reference exists (written concurrently), it and these baselines agree."""
-    if importlib.util.find_spec("mokgen.reference") is None:
-        pytest.skip("mokgen.reference not written yet")
+    """mokgen.reference and these baselines' per-token loop agree."""
     from mokgen.reference import forward
 
     for name, kw in CASES:

@@ -1,8 +1,9 @@
 """The generated backward on a GPU (H200, sm_90a), against the float64 reference (``mokgen.reference.backward``).
 
 Per preset: every gradient (dx, d topk_weight, dw1, dw2, db1, db2) within 1e-2 relative error, no NaN, every
-element written (the caching allocator's free blocks are filled with NaN before each call, so an unwritten
-element of a fresh output reads NaN; main_grad buffers are pre-filled and compared as an accumulation; experts
+element written (y and every gradient are written into caller-owned buffers filled with NaN before the call, so an
+element the kernels skip reads NaN by construction; the intermediates' likely blocks of the caching allocator are
+NaN-filled too, a best effort; main_grad buffers are pre-filled and compared as an accumulation; experts
 without rows must get exact zeros), through ``moe.forward_train`` / ``moe.backward`` and through autograd; special
 routings (one expert takes everything, empty experts, skewed); T = 1000 (no tile multiple) and T = 1; bitwise
 run-to-run and num_ctas (66 vs 132) determinism; two layers of one spec interleaved (f1, f2, b2, b1) give the
@@ -29,7 +30,9 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mokgen  # noqa: E402
+from mokgen import kernels as mk  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen.ops import cap_rows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -70,13 +73,25 @@ def same_bits(a, b) -> bool:
 rel_err = ref.rel_err  # ||a - b|| / ||b|| in float64, a slab at a time
 
 
-def poison_free_memory(*like: torch.Tensor | None) -> None:
-    """Fill blocks of the caching allocator with NaN and free them, so that the next allocations of these sizes
-    (the outputs of the call that follows) start as NaN: an element the kernels never write then fails the
-    NaN / error checks instead of passing with a stale value from an earlier, identical call."""
+def poison_free_memory(*like: torch.Tensor | None, shapes=()) -> None:
+    """Fill blocks of the caching allocator with NaN and free them (tensors like ``like`` and bf16 tensors of
+    ``shapes``), so that the next allocations of these sizes (a call's intermediates) are likely to start as NaN: a
+    read of an element no kernel wrote then fails the NaN / error checks. Outputs need no such luck: they are
+    written into the poisoned buffers of :func:`nan_like`."""
     held = [torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device) for t in like
             if t is not None and t.is_floating_point()]
+    held += [torch.full(sh, float("nan"), dtype=torch.bfloat16, device=DEV) for sh in shapes]
     del held
+
+
+def nan_like(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else torch.full_like(t, float("nan"))
+
+
+def intermediate_shapes(moe, T: int) -> list[tuple[int, int]]:
+    """The [rows, cols] bf16 buffers a training step allocates (gathered rows, h / dA, z / dz, ys)."""
+    cap = cap_rows(T, moe.cfg.topk, moe.cfg.shared_experts, moe.cfg.groups, moe.bm)
+    return [(cap, moe.cfg.hidden), (cap, moe.cfg.ffn), (cap, 2 * moe.cfg.ffn), (cap, moe.cfg.hidden)]
 
 
 class Case(NamedTuple):
@@ -112,17 +127,24 @@ def with_routing(spec, inp, routing, tokens=None, seed=1):
 
 
 def train_call(moe, inp, dy, *, num_ctas=None, w1_main_grad=None, w2_main_grad=None, poison=True):
-    """forward_train + backward through the low-level API; (y, Grads)."""
+    """forward_train + backward through the low-level API; (y, Grads). y and every gradient are written into
+    NaN-filled buffers of their own (``out=``), so an element no kernel writes reads NaN."""
+    T = inp.x.shape[0]
     if poison:
-        poison_free_memory(inp.x)
-    y, saved = moe.forward_train(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
+        poison_free_memory(shapes=intermediate_shapes(moe, T))
+    y_out = torch.full((T, moe.cfg.hidden), float("nan"), dtype=torch.bfloat16, device=inp.x.device)
+    y, saved = moe.forward_train(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2, out=y_out)
+    assert y is y_out
     assert isinstance(saved.nbytes, int) and saved.nbytes >= 0
     if poison:
-        poison_free_memory(inp.x, inp.topk_weight, None if w1_main_grad is not None else inp.w1,
-                           None if w2_main_grad is not None else inp.w2, inp.b1, inp.b2)
+        poison_free_memory(shapes=intermediate_shapes(moe, T))
+    out = ref.Grads(nan_like(inp.x), nan_like(inp.topk_weight), None if w1_main_grad is not None else nan_like(inp.w1),
+                    None if w2_main_grad is not None else nan_like(inp.w2), nan_like(inp.b1), nan_like(inp.b2))
     g = moe.backward(dy, saved, inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2,
-                     w1_main_grad=w1_main_grad, w2_main_grad=w2_main_grad, num_ctas=num_ctas)
+                     w1_main_grad=w1_main_grad, w2_main_grad=w2_main_grad, out=out, num_ctas=num_ctas)
     assert isinstance(g, ref.Grads), type(g)
+    for name, got, buf in zip(NAMES, g, out):
+        assert buf is None or got is buf, f"d{name} was not written into its out= buffer"
     return y, g
 
 
@@ -185,7 +207,9 @@ def leaves_of(inp):
 
 def autograd_call(moe, inp, dy, leaves=None):
     x, tw, w1, w2, b1, b2 = leaves if leaves is not None else leaves_of(inp)
-    poison_free_memory(inp.x)
+    # the op allocates its outputs itself: the tests compare these bits with train_call's, whose outputs are
+    # written into NaN-filled buffers (so equal bits mean every element was written here too)
+    poison_free_memory(inp.x, shapes=intermediate_shapes(moe, inp.x.shape[0]))
     y = mokgen.moe_forward(x, inp.topk_idx, tw, w1, w2, b1, b2, moe=moe)
     poison_free_memory(inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
     y.backward(dy)
@@ -237,10 +261,12 @@ def test_bitwise_deterministic(case):
     spec, moe, inp, dy, _, _ = case
     y1, g1 = train_call(moe, inp, dy, poison=False)
     y2, g2 = train_call(moe, inp, dy)
-    _, g66 = train_call(moe, inp, dy, num_ctas=66)
-    _, g132 = train_call(moe, inp, dy, num_ctas=132)
+    y66, g66 = train_call(moe, inp, dy, num_ctas=66)
+    y132, g132 = train_call(moe, inp, dy, num_ctas=132)
     sync()
     assert same_bits(y1, y2), "forward_train: run-to-run bits differ"
+    assert same_bits(y66, y132), "forward_train: num_ctas 66 vs 132 bits differ"
+    assert same_bits(y1, y66), "forward_train: default num_ctas vs 66 bits differ"
     for name in NAMES:
         assert same_bits(getattr(g1, name), getattr(g2, name)), f"d{name}: run-to-run bits differ"
         assert same_bits(getattr(g66, name), getattr(g132, name)), f"d{name}: num_ctas 66 vs 132 bits differ"
@@ -260,8 +286,9 @@ def test_special_routing(case, routing):
     empty = check_empty_experts_zero(spec, c, g, what)
     if routing in ("one_expert", "empty_experts") and spec.local_experts > 1:
         assert empty, f"{what}: the routing left no expert empty (test inputs wrong)"
-    _, g66 = train_call(moe, c, dy, num_ctas=66)
+    y66, g66 = train_call(moe, c, dy, num_ctas=66)
     sync()
+    assert same_bits(y, y66), f"{what}: y bits differ with 66 CTAs"
     for name in NAMES:
         assert same_bits(getattr(g, name), getattr(g66, name)), f"{what}: d{name} bits differ with 66 CTAs"
     moe.check_errors()
@@ -350,6 +377,8 @@ def test_main_grad_accumulates(case):
 
 def test_main_grad_keeps_empty_experts(case):
     spec, moe, inp, dy, _, _ = case
+    if spec.local_experts == 1:
+        pytest.skip(f"{spec.name}: one local expert, which every token routes to: no expert can be empty")
     c = with_routing(spec, inp, "empty_experts")
     pre1 = torch.randn(inp.w1.shape, device=DEV)
     pre2 = torch.randn(inp.w2.shape, device=DEV)
@@ -359,7 +388,7 @@ def test_main_grad_keeps_empty_experts(case):
     counts = torch.bincount(c.topk_idx.reshape(-1).long(), minlength=spec.local_experts)
     empty = torch.nonzero(counts == 0).flatten().tolist()
     used = torch.nonzero(counts > 0).flatten().tolist()
-    assert empty or spec.local_experts == 1
+    assert empty and used, f"{spec.name}: the empty_experts routing left no expert empty (test inputs wrong)"
     assert same_bits(mg1[empty], pre1[empty]) and same_bits(mg2[empty], pre2[empty]), \
         "main_grad of experts without rows changed"
     assert not torch.equal(mg1[used], pre1[used]), "main_grad of the used experts did not change"
@@ -431,6 +460,70 @@ def test_cuda_graph_forward_backward(case):
         assert same_bits(a, getattr(g_n, name)), f"graph replay on new data: d{name} differs from eager"
     del g
     moe.check_errors()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the checks themselves: a perturbed kernel must fail them
+
+
+class perturbed:
+    """Within the block, ``moe``'s kernel ``kernel`` runs as usual and then its output argument is changed:
+    ``scale`` multiplies all of it by 1.05, ``skip`` puts NaN back into its first ``rows`` rows (what a tile the
+    kernel never wrote reads in a poisoned buffer)."""
+
+    def __init__(self, moe, kernel: str, how: str, out_arg: str = "out", rows: int = 64):
+        self.moe, self.kernel, self.how, self.rows = moe, kernel, how, rows
+        self.pos = mk.names(kernel).index(out_arg)
+
+    def __enter__(self):
+        fns = self.moe._fns
+        self.orig = orig = fns[self.kernel]
+
+        def wrapper(*args):
+            r = orig(*args)
+            t = args[self.pos]
+            if self.how == "scale":
+                t.mul_(1.05)
+            else:
+                t.view(-1, t.shape[-1])[: self.rows].fill_(float("nan"))
+            return r
+
+        fns[self.kernel] = wrapper
+        return self
+
+    def __exit__(self, *exc):
+        self.moe._fns[self.kernel] = self.orig
+        return False
+
+
+# (kernel, its output argument, how, the check that must fail: "y" or the gradient's name)
+PERTURBATIONS = [("gemm2", "out", "scale", "y"), ("combine", "y", "skip", "y"), ("dgrad2", "out", "scale", "x"),
+                 ("dgrad1", "ds", "scale", "topk_weight"), ("wgrad1", "out", "scale", "w1"),
+                 ("wgrad2", "out", "skip", "w2")]
+
+
+def assert_checks_catch(case_, kernel, out_arg, how, target):
+    """The suite's own checks (check_y / check_grads on train_call's outputs) fail with ``kernel`` perturbed,
+    naming the perturbed output, and pass again once it is restored."""
+    spec, moe, inp, dy, y_ref, g_ref = case_
+    with perturbed(moe, kernel, how, out_arg):
+        y, g = train_call(moe, inp, dy)
+        sync()
+        with pytest.raises(AssertionError, match=("y" if target == "y" else f"d{target}") + r"\b"):
+            if target == "y":
+                check_y(y, y_ref, f"{spec.name}/{kernel} {how}")
+            else:
+                check_grads(g, g_ref, inp, f"{spec.name}/{kernel} {how}",
+                            skip=tuple(n for n in NAMES if n != target))
+    y, g = train_call(moe, inp, dy)
+    sync()
+    check_y(y, y_ref, f"{spec.name}/restored")
+    check_grads(g, g_ref, inp, f"{spec.name}/restored")
+
+
+@pytest.mark.parametrize("kernel,out_arg,how,target", PERTURBATIONS, ids=[f"{p[0]}-{p[2]}" for p in PERTURBATIONS])
+def test_checks_catch_a_perturbed_kernel(case, kernel, out_arg, how, target):
+    assert_checks_catch(case, kernel, out_arg, how, target)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -151,13 +151,16 @@ def test_no_host_sync(case):
     spec, moe, inp = case
     run(moe, inp)                            # device state created, SM count cached
     torch.cuda.synchronize()
+    out = torch.full((inp.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
         y = run(moe, inp)
-        y = run(moe, inp, out=y)
+        y = run(moe, inp, out=out)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    assert y is out
+    check_close(y, reference(spec, inp), f"{spec.name}/no host sync")
 
 
 def test_cuda_graph_replay(case):
@@ -199,19 +202,31 @@ def test_arch_mismatch_is_refused(case):
 
 
 def test_module_forward_backward():
-    """nn.Module on one preset (fewer tokens): forward through the kernels, backward in torch."""
+    """nn.Module on one preset (fewer tokens): the forward and every gradient (x, topk_weight, w1, w2, and the
+    biases where the spec has them) through the generated kernels, against the float64 reference."""
     name = "qwen3-30b-a3b" if "qwen3-30b-a3b" in PRESETS else PRESETS[0]
     spec = mokgen.load_spec(name)
     torch.manual_seed(0)
     layer = mokgen.MoE(spec, device="cuda")
     inp = ref.random_inputs(spec, tokens=256, device="cuda", seed=4)
     x = inp.x.clone().requires_grad_(True)
-    y = layer(x, inp.topk_idx, inp.topk_weight)
-    y_ref = ref.forward(x.detach(), inp.topk_idx, inp.topk_weight, layer.w1.detach(), layer.w2.detach(), spec,
-                        None if layer.b1 is None else layer.b1.detach(),
-                        None if layer.b2 is None else layer.b2.detach())
-    check_close(y.detach(), y_ref, f"{name}/MoE module")
-    y.float().square().mean().backward()
-    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
-    assert layer.w1.grad is not None and bool(torch.isfinite(layer.w1.grad.float()).all())
+    tw = inp.topk_weight.clone().requires_grad_(True)
+    y = layer(x, inp.topk_idx, tw)
+    params = [layer.w1, layer.w2, layer.b1, layer.b2]
+    w1, w2, b1, b2 = (None if p is None else p.detach() for p in params)
+    args = (x.detach(), inp.topk_idx, tw.detach(), w1, w2, spec, b1, b2)
+    check_close(y.detach(), ref.forward(*args, dtype=torch.float64), f"{name}/MoE module")
+    g = torch.Generator(device="cuda").manual_seed(104)
+    dy = torch.randn(y.shape, generator=g, device="cuda").to(torch.bfloat16)
+    y.backward(dy)
+    want = ref.backward(dy, *args, dtype=torch.float64)
+    got = ref.Grads(x.grad, tw.grad, *(None if p is None else p.grad for p in params))
+    for gname, gt, wt in zip(ref.Grads._fields, got, want):
+        if wt is None:
+            assert gt is None, f"{name}: d{gname} should be None"
+            continue
+        assert gt is not None, f"{name}: d{gname} missing"
+        assert not bool(gt.isnan().any()), f"{name}: NaN in d{gname}"
+        err = ref.rel_err(gt.float(), wt)
+        assert err <= TOL, f"{name}/MoE module: d{gname} relative error {err:.3e} > {TOL}"
     layer.check_errors()

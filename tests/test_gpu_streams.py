@@ -7,8 +7,13 @@ Per preset, two layers (different random weights) share the one ``CompiledMoE`` 
   the default stream and handed over with an event; at the default CTA count and with half the SMs per stream
   (so the two layers' persistent GEMMs can run side by side); against the same calls in sequence;
 * CUDA graphs: one graph per layer, replayed on the two streams at once;
-* training: ``forward_train`` + ``backward`` of the two layers on the two streams (f0, f1, b1, b0 interleaved),
-  outputs and every gradient bitwise equal to the sequential run;
+* training: ``forward_train`` + ``backward`` of the two layers on the two streams (f0, f1, b1, b0 interleaved) for
+  every iteration, outputs and every gradient bitwise equal to the sequential run (the weight gradients compared
+  through bit fingerprints, so that all iterations' results need not be kept);
+
+The sequential runs the others are compared with are themselves checked: every output finite, and the first and
+last iteration of each layer against the float64 reference (``mokgen.reference``, relative error <= 1e-2), so
+that a kernel broken the same way on one and two streams cannot pass.
 * the sticky routing-error flag set by a call on one stream is reported by ``check_errors()``.
 
 ``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets; ``MOKGEN_GPU_TOKENS`` caps the token count (default:
@@ -54,6 +59,44 @@ def same_bits(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+TOL = 1e-2
+
+
+def fingerprint(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """Two int64 sums over t's raw bits (plain, and weighted by a position hash), a slab at a time: equal tensors
+    give equal fingerprints; a changed element changes them (barring a 2^-64-scale collision)."""
+    if t is None:
+        return None
+    b = bits(t).reshape(-1)
+    s0 = s1 = 0
+    step = 1 << 26
+    for i in range(0, b.numel(), step):
+        v = b[i:i + step].long()
+        pos = torch.arange(i, i + v.numel(), device=v.device, dtype=torch.int64)
+        s0 += int(v.sum())
+        s1 += int((v * ((pos * 2654435761) % 2147483647 + 1)).sum())
+    return s0, s1
+
+
+def check_reference_forward(spec, layer, inp, y, what):
+    """y (bf16) finite and within TOL of the float64 reference of the call."""
+    x, idx, w = inp
+    assert not bool(y.isnan().any()), f"{what}: NaN in y"
+    y_ref = ref.forward(x, idx, w, layer.w1, layer.w2, spec, layer.b1, layer.b2, dtype=torch.float64)
+    err = ref.rel_err(y.float(), y_ref)
+    assert err <= TOL, f"{what}: y relative error {err:.3e} > {TOL}"
+
+
+def check_sequential_forward(spec, layers, calls, want):
+    """The sequential outputs the concurrent runs are compared with: all finite, first and last iteration of each
+    layer against the reference."""
+    for i, layer in enumerate(layers):
+        for it in range(ITERS):
+            assert bool(torch.isfinite(want[i][it]).all()), f"{spec.name}: layer {i}, iteration {it}: non-finite y"
+        for it in sorted({0, ITERS - 1}):
+            check_reference_forward(spec, layer, calls[i][it], want[i][it], f"{spec.name}: layer {i}, iteration {it}")
 
 
 def call_inputs(spec, T: int, seed: int):
@@ -116,6 +159,7 @@ def handed_over(inp, stream: torch.cuda.Stream):
 def test_forward_two_streams_match_sequential(case):
     spec, moe, layers, calls = case
     want = sequential_forward(moe, layers, calls)
+    check_sequential_forward(spec, layers, calls, want)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     half = max(1, torch.cuda.get_device_properties(0).multi_processor_count // 2)
     for num_ctas in (None, half):
@@ -139,6 +183,7 @@ def test_graphs_replayed_on_two_streams(case):
     """One graph per layer (each with its own buffers from its pool), replayed concurrently on two streams."""
     spec, moe, layers, calls = case
     want = sequential_forward(moe, layers, calls)
+    check_sequential_forward(spec, layers, calls, want)
     static = [tuple(t.clone() for t in calls[i][0]) for i in range(2)]
     outs, graphs = [], []
     s = torch.cuda.Stream()
@@ -178,48 +223,66 @@ def test_training_two_streams_match_sequential(case):
     g = torch.Generator(device="cuda").manual_seed(7)
     dys = [[torch.randn(T, spec.hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in range(ITERS)]
            for _ in range(2)]
-    iters = min(ITERS, 2)   # the weight gradients of every call are kept: 2 x 2 x 2 sets (6.4 GB each on gpt-oss-120b)
 
-    def step_args(i, it, inp):
+    def step_args(i, inp):
         x, idx, w = inp
         L = layers[i]
         return x, idx, w, L.w1, L.w2, L.b1, L.b2
 
-    # sequential, one stream
-    want = [[None] * iters for _ in range(2)]
-    for it in range(iters):
-        for i in range(2):
-            x, idx, w, w1, w2, b1, b2 = step_args(i, it, calls[i][it])
-            y, saved = moe.forward_train(x, idx, w, w1, w2, b1, b2)
-            want[i][it] = (y, moe.backward(dys[i][it], saved, x, w, w1, w2, b1, b2))
-    torch.cuda.synchronize()
+    def keep(y, gr):
+        """What is kept of a step: y and the small gradients whole, the weight gradients (6.4 GB a set on
+        gpt-oss-120b) as fingerprints."""
+        return y, {n: (t if n in ("x", "topk_weight", "b1", "b2") else fingerprint(t))
+                   for n, t in zip(GRAD_NAMES, gr)}
 
-    # two streams: f0, f1 then b1, b0 per iteration, each on its layer's stream
+    # sequential, one stream; the first and last iteration of each layer checked against the reference
+    want = [[None] * ITERS for _ in range(2)]
+    for it in range(ITERS):
+        for i in range(2):
+            x, idx, w, w1, w2, b1, b2 = step_args(i, calls[i][it])
+            y, saved = moe.forward_train(x, idx, w, w1, w2, b1, b2)
+            gr = moe.backward(dys[i][it], saved, x, w, w1, w2, b1, b2)
+            torch.cuda.synchronize()
+            what = f"{spec.name}: sequential training, layer {i}, iteration {it}"
+            for n, t in zip(GRAD_NAMES, gr):
+                assert t is None or bool(torch.isfinite(t).all()), f"{what}: d{n} not finite"
+            if it in (0, ITERS - 1):
+                check_reference_forward(spec, layers[i], calls[i][it], y, what)
+                g_ref = ref.backward(dys[i][it], x, idx, w, w1, w2, spec, b1, b2, dtype=torch.float64)
+                for n, t, r in zip(GRAD_NAMES, gr, g_ref):
+                    if r is not None:
+                        err = ref.rel_err(t.float(), r)
+                        assert err <= TOL, f"{what}: d{n} relative error {err:.3e} > {TOL}"
+                del g_ref
+            want[i][it] = keep(y, gr)
+            del gr, saved
+
+    # two streams: f0, f1 then b1, b0 per iteration, each on its layer's stream; compared per iteration
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    got = [[None] * iters for _ in range(2)]
-    for it in range(iters):
-        pending = []
+    for it in range(ITERS):
+        pending, got = [], [None, None]
         for i in range(2):
             inp = handed_over(calls[i][it], streams[i])
             dy = handed_over((dys[i][it],), streams[i])[0]
             with torch.cuda.stream(streams[i]):
-                x, idx, w, w1, w2, b1, b2 = step_args(i, it, inp)
+                x, idx, w, w1, w2, b1, b2 = step_args(i, inp)
                 y, saved = moe.forward_train(x, idx, w, w1, w2, b1, b2)
             pending.append((i, inp, dy, y, saved))
         for i, inp, dy, y, saved in reversed(pending):
             with torch.cuda.stream(streams[i]):
-                x, idx, w, w1, w2, b1, b2 = step_args(i, it, inp)
-                got[i][it] = (y, moe.backward(dy, saved, x, w, w1, w2, b1, b2))
-    for s in streams:
-        torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    for i in range(2):
-        for it in range(iters):
-            (y, gr), (y_w, gr_w) = got[i][it], want[i][it]
+                x, idx, w, w1, w2, b1, b2 = step_args(i, inp)
+                got[i] = (y, moe.backward(dy, saved, x, w, w1, w2, b1, b2))
+        for s_ in streams:
+            torch.cuda.current_stream().wait_stream(s_)
+        torch.cuda.synchronize()
+        for i in range(2):
+            (y, gr), (y_w, gr_w) = keep(*got[i]), want[i][it]
             assert same_bits(y, y_w), f"{spec.name}: training forward of layer {i}, iteration {it}: bits differ"
             for name in GRAD_NAMES:
-                assert same_bits(getattr(gr, name), getattr(gr_w, name)), \
-                    f"{spec.name}: layer {i}, iteration {it}: d{name} bits differ on two streams"
+                a, b = gr[name], gr_w[name]
+                same = same_bits(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
+                assert same, f"{spec.name}: layer {i}, iteration {it}: d{name} bits differ on two streams"
+        del pending, got
     moe.check_errors()
 
 

@@ -1,0 +1,75 @@
+"""The GPU suites' checks can fail: on the CPU, with mokgen.reference's step functions standing in for the kernels
+(the same launch sequence and arguments as on the GPU), each check of tests/test_gpu_backward.py and
+tests/test_gpu_forward.py is run once on correct outputs (it passes) and once with one kernel's output perturbed or
+left unwritten (it must fail, naming that output). The GPU suite runs the same perturbations on the real kernels
+(``test_gpu_backward.py::test_checks_catch_a_perturbed_kernel``)."""
+
+import pytest
+import torch
+
+import test_gpu_backward as gb
+import test_gpu_forward as gf
+from mokgen import ops
+from mokgen import reference as ref
+from mokgen.spec import load_spec
+
+BM = 16
+
+
+def tiny(bias: bool):
+    d = dict(name="tiny", hidden=64, ffn=64, experts=6, topk=2, shared_experts=0 if bias else 1, ep=1, tokens=200,
+             archs=["sm_90a"])
+    if bias:
+        d.update(activation="swiglu_oai", gate_up_layout="interleaved", bias=True)
+    return load_spec(d)
+
+
+@pytest.fixture(params=[False, True], ids=["swiglu", "oai-bias"])
+def cpu_case(request, monkeypatch):
+    monkeypatch.setattr(gb, "DEV", "cpu")
+    spec = tiny(request.param)
+    moe = ops.CompiledMoE(spec, BM, functions=ref.reference_kernels(spec, BM, training=True), allow_cpu=True)
+    inp = ref.random_inputs(spec, tokens=200, seed=0)
+    dy = gb.make_dy(200, spec.hidden, seed=100)
+    args = (inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, spec, inp.b1, inp.b2)
+    g_ref = ref.Grads(*(None if t is None else t.float() for t in ref.backward(dy, *args)))
+    return gb.Case(spec, moe, inp, dy, ref.forward(*args).float(), g_ref)
+
+
+@pytest.mark.parametrize("kernel,out_arg,how,target", gb.PERTURBATIONS,
+                         ids=[f"{p[0]}-{p[2]}" for p in gb.PERTURBATIONS])
+def test_backward_checks_catch_a_perturbed_kernel(cpu_case, kernel, out_arg, how, target):
+    gb.assert_checks_catch(cpu_case, kernel, out_arg, how, target)
+
+
+def test_unwritten_output_reads_nan(cpu_case):
+    """An output element no kernel writes stays NaN in train_call's poisoned out= buffers (the claim "every
+    element written" holds by construction): a combine that skips the last token's row fails check_grads on dx."""
+    spec, moe, inp, dy, _, g_ref = cpu_case
+    orig = moe._fns["combine"]
+
+    def combine_but_last(ys, slot_pos, y):
+        keep = y[-1].clone()
+        orig(ys, slot_pos, y)
+        y[-1] = keep                      # the last row as it was before the call: NaN in a poisoned buffer
+
+    moe._fns["combine"] = combine_but_last
+    try:
+        _, g = gb.train_call(moe, inp, dy)
+    finally:
+        moe._fns["combine"] = orig
+    assert bool(g.x[-1].isnan().all()) and not bool(g.x[:-1].isnan().any())
+    with pytest.raises(AssertionError, match="dx has NaN"):
+        gb.check_grads(g, g_ref, inp, "tiny", skip=("topk_weight", "w1", "w2", "b1", "b2"))
+
+
+def test_forward_check_close_fails_on_a_perturbed_output(cpu_case):
+    spec, moe, inp, _, y_ref, _ = cpu_case
+    y = moe(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
+    gf.check_close(y, y_ref, "tiny")
+    with pytest.raises(AssertionError, match="relative error"):
+        gf.check_close(y * 1.05, y_ref, "tiny/scaled")
+    bad = y.clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(AssertionError, match="NaN in the output"):
+        gf.check_close(bad, y_ref, "tiny/unwritten")
