@@ -2,7 +2,7 @@
 """Where a training step's time goes in the sustained (power-capped) regime: the GPU timeline of a few
 forward+backward steps under autograd, taken after the GPU has run the same step for a while.
 
-    python tools/step_timeline.py SPEC[@k=v,...] [...] [--warm-s 3] [--steps 3] [--forward] [--json OUT]
+    python tools/step_timeline.py SPEC[@k=v,...] [...] [--warm-s 3] [--steps 3] [--tokens T] [--forward] [--json OUT]
 
 The H200 of this project throttles to its power cap under sustained GEMM load; a step timed right after a pause
 runs at boost clocks and can be 10% faster than the same step in a benchmark's later rounds. This tool first
@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("items", nargs="+")
     ap.add_argument("--warm-s", type=float, default=3.0)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=None, help="T for every item (default: each spec's own tokens)")
     ap.add_argument("--json")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--forward", action="store_true", help="the inference forward only (no autograd)")
@@ -97,10 +98,11 @@ def main(argv=None) -> int:
         name, _, ov = item.partition("@")
         spec = load_spec(name)
         moe = mokgen.compile(spec, overrides=parse_overrides(ov) if ov else None)
-        inp = R.random_inputs(spec, spec.tokens, device="cuda", seed=7)
+        T = a.tokens if a.tokens is not None else spec.tokens
+        inp = R.random_inputs(spec, T, device="cuda", seed=7)
         x, idx, tw, w1, w2, b1, b2 = inp
         leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, tw, w1, w2, b1, b2)]
-        dy = torch.randn(spec.tokens, spec.hidden, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(T, spec.hidden, device="cuda", dtype=torch.bfloat16)
 
         def clear():
             for t in leaves:
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
 
         impls = [("mokgen", ours)] + ([] if a.no_torch else [("torch_grouped_mm", theirs)])
         for impl, fn in impls:
-            rec = dict(spec=item, impl=impl, mode="forward" if a.forward else "train",
+            rec = dict(spec=item, impl=impl, mode="forward" if a.forward else "train", tokens=T,
                        gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        **timeline(fn, a.warm_s, a.steps, lambda n: n[:60]))
             line = json.dumps(rec)

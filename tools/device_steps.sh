@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call, several steps, each with its own time limit (a hung or crashed step costs that step only):
+#
+#     bash tools/device_steps.sh STEP [STEP ...]
+#
+# Steps (quote each; SPECS: space-separated preset names or YAML paths, each SPEC[@k=v,...]; FILE: under tests/):
+#   test:FILE:PRESETS[:K=V,...]   pytest FILE with MOKGEN_GPU_PRESETS=PRESETS (and MOKGEN_GPU_OVERRIDES); log in $OUT
+#   timeline:SPECS                tools/step_timeline.py (sustained per-kernel times) -> $OUT/step-timeline.jsonl
+#   bwd:SPECS                     tools/bench_backward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/backward-h200.json
+#   fwd:SPECS                     tools/bench_forward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/forward-h200.json
+#   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated)
+#   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
+#                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args)
+# Knobs: STEP_TIMEOUT (s, default 300), ROUNDS (3), SETTLE (0.5), BWD_ARGS / FWD_ARGS / TIMELINE_ARGS (extra args).
+# Environment: tools/device_env.sh (the DSL bundle and wheels carried in .devdeps / .whl).
+source tools/device_env.sh || exit 1
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
+: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+ROUNDS=${ROUNDS:-3}; SETTLE=${SETTLE:-0.5}
+t0=$SECONDS
+for step in "$@"; do
+  kind=${step%%:*}; rest=${step#*:}
+  echo "=== $step ($((SECONDS - t0)) s)"
+  case $kind in
+    test)
+      file=${rest%%:*}; rest2=${rest#*:}; presets=${rest2%%:*}; ovr=""; [ "$rest2" != "$presets" ] && ovr=${rest2#*:}
+      log="$OUT/pytest-$(basename "$file" .py)-${presets//,/_}.log"
+      MOKGEN_GPU_PRESETS=$presets MOKGEN_GPU_OVERRIDES=$ovr timeout "${STEP_TIMEOUT:-300}" \
+        python3 -m pytest -q -p no:cacheprovider "tests/$file" >"$log" 2>&1
+      echo "exit $?"; grep -E "passed|failed|error" "$log" | tail -3; grep -E "^(FAILED|ERROR)" "$log" | head -10 | cut -c1-300 ;;
+    timeline)
+      timeout "${STEP_TIMEOUT:-300}" python3 tools/step_timeline.py $rest $TIMELINE_ARGS \
+        --json "$OUT/step-timeline.jsonl" 2>>"$OUT/timeline.log" | grep -v '^{' | cut -c1-160
+      echo "exit ${PIPESTATUS[0]}" ;;
+    bwd)
+      timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_backward.py $rest --rounds "$ROUNDS" --settle-s "$SETTLE" \
+        $BWD_ARGS --out "$OUT/backward-h200.json" 2>>"$OUT/bench-bwd.log" | tail -25
+      echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-bwd.log" | cut -c1-300 ;;
+    fwd)
+      timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_forward.py $rest --rounds "$ROUNDS" --settle-s "$SETTLE" \
+        $FWD_ARGS --out "$OUT/forward-h200.json" 2>>"$OUT/bench-fwd.log" | tail -25
+      echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-fwd.log" | cut -c1-300 ;;
+    py)
+      script=${rest%%:*}; args=""; [ "$rest" != "$script" ] && args=${rest#*:}
+      timeout "${STEP_TIMEOUT:-300}" python3 "$script" ${args//,/ } 2>&1 | tail -40; echo "exit ${PIPESTATUS[0]}" ;;
+    ncu)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      secs=""; for sct in SpeedOfLight MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables WarpStateStats ComputeWorkloadAnalysis; do
+        secs="$secs --section $sct"; done
+      timeout "${STEP_TIMEOUT:-300}" "$NCU" --clock-control none --profile-from-start off --kernel-name regex:kernel_cutlass \
+        $secs $NCU_ARGS -o "$OUT/step" python3 tools/ncu_step.py $rest > "$OUT/ncu-labels.txt" 2> "$OUT/ncu.err"
+      echo "exit $?"; grep -c "^label" "$OUT/ncu-labels.txt"; grep "==ERROR==" "$OUT/ncu-labels.txt" "$OUT/ncu.err" | head -5
+      "$NCU" -i "$OUT/step.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
+      python3 tools/ncu_summary.py "$OUT/ncu-raw.csv" "$OUT/ncu-labels.txt" --all 2>&1 | cut -c1-250 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done ($((SECONDS - t0)) s)"
