@@ -288,12 +288,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         rec, pw, where = info
         _out(f"{spec.name} {arch}: tuned plan from {where} ({rec['gpu']}, {rec['created']}), "
              f"{len(pw.pieces)} piece(s)")
-        if len(pw.pieces) > 1:
-            P = _need("mokgen.plan", "solve")
-            import dataclasses as _dc
-
-            plans = [_dc.replace(P.solve(spec, arch, **pc.overrides), notes=P.solve(spec, arch, **pc.overrides).notes
-                                 + (driver._tuned_note(rec, pw, pc),)) for pc in pw.pieces]
+        if len(pw.pieces) > 1:   # the plans mokgen.compile() loads: each piece with the record's tuned backward
+            plans = [driver.tuned_plan(spec, arch, rec, pw, pc) for pc in pw.pieces]
     for plan in plans:
         sources = _emit(plan)
         # the same resolution as mokgen.compile(): build where the compiler is, find (by key or content) where not
