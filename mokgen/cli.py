@@ -275,9 +275,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         if hit is not None:   # verified as on every load; no plan solver, emit or CuTe DSL
             driver.record_runtime(key_doc, hit)
             name = str(getattr(hit.plan.spec, "name", None) or args.spec)
-            for note in getattr(hit.plan, "notes", ()):
+            for note in getattr(hit.plan, "notes", ()):   # as the full way says it: "tuned plan from ..."
                 if str(note).startswith("tuned"):
-                    _out(f"{name} {arch}: {note}")
+                    _out(f"{name} {arch}: tuned plan, {note}")
             _report_compiled(name, arch, hit.art)
             return 0
     spec = _load_spec(args.spec)

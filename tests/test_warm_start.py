@@ -128,6 +128,48 @@ def test_compile_records_and_the_next_call_is_warm(stub: Any, tmp_path: Path, mo
     assert driver.compile(PRESET, arch="sm_90a", overrides={"schedule": "fused"}).plan.schedule == "fused"
 
 
+def test_cli_answers_from_the_index_and_says_so(stub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """`mokgen compile` looks up the record of its call (the one mokgen.compile's call has): the full way once,
+    then `cached (warm-start index)`, a tuned plan still said to be one; --force and MOKGEN_NO_WARM_START=1 skip
+    the lookup; the API finds the CLI's record."""
+    from mokgen import cli, tunedb
+    from mokgen.emit import template_hash
+    from mokgen.spec import load_spec
+
+    prepare, _calls = stub
+    monkeypatch.setenv("MOKGEN_GPU_NAME", "FakeGPU")
+    pw = {"spec_name": PRESET, "arch": "sm_90a", "source": "tune", "notes": [],
+          "pieces": [{"lo": 1, "hi": 0, "overrides": {"gemm2_bn": 128}, "predicted_ms": 1.0, "at": 64,
+                      "measured_ms": 1.1}]}
+    tunedb.save(arch="sm_90a", gpu="FakeGPU", tools=tunedb.toolchain(), template_hash=template_hash(),
+                spec=load_spec(PRESET), piecewise=pw)
+    entry, sources = real_entry(tmp_path)   # the tuned plan's entry
+    assert sources.plan.gemm2.bn == 128
+    solved: list[Any] = []
+    real_solve_tuned = cli._solve_tuned
+    monkeypatch.setattr(cli, "_solve_tuned", lambda *a: solved.append(a) or real_solve_tuned(*a))
+    argv = ["compile", PRESET, "--arch", "sm_90a", "-q"]
+    assert cli.main(argv) == 0 and len(solved) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{PRESET} sm_90a: tuned plan from ") and out[1].endswith("kernel(s), cached")
+    assert cli.main(argv) == 0 and len(solved) == 1                      # no plan solved: the index answered
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{PRESET} sm_90a: tuned plan, tuned: record ")
+    assert out[1].endswith("kernel(s), cached (warm-start index)") and out[2] == f"entry: {entry}"
+    with pytest.raises(AssertionError, match="compile nothing"):        # --force: the full way, a rebuild
+        cli.main(argv + ["--force"])
+    capsys.readouterr()
+    monkeypatch.setenv("MOKGEN_NO_WARM_START", "1")
+    n = len(solved)
+    assert cli.main(argv) == 0 and len(solved) == n + 1
+    assert capsys.readouterr().out.splitlines()[1].endswith("kernel(s), cached")
+    monkeypatch.delenv("MOKGEN_NO_WARM_START")
+    _fresh(monkeypatch)
+    prepare.forbid = True
+    assert driver.compile(PRESET, arch="sm_90a").entry_dir == entry      # the CLI's record, for the API
+
+
 def test_index_never_serves_other_inputs(stub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every input of the full resolution that can change without the call changing is in the key."""
     prepare, calls = stub
