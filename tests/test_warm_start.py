@@ -484,7 +484,8 @@ print("ok")
 # sitecustomize.py for a process in which importing the CuTe DSL fails. "absent": a meta-path finder raises
 # ImportError for it (importlib.util.find_spec too: a host without the compiler, as far as mokgen can tell);
 # "broken": it is found, but importing it raises (the DSL installed, and nothing may import it). Both count the
-# attempts to import it (not importlib.util.find_spec's questions) in sys.cutlass_attempts. BLOCK_MORE: more top-level modules blocked the "absent" way.
+# attempts to import it (not importlib.util.find_spec's questions) in sys.cutlass_attempts. TEST_BLOCK_MORE: more
+# top-level modules, blocked the "absent" way.
 _SITECUSTOMIZE = r'''
 import importlib.abc, importlib.machinery, os, sys
 
