@@ -249,9 +249,37 @@ def _print_ptx_report(report: dict[str, dict[str, bool]]) -> None:
     _out(_table(["kernel"] + [short.get(f, f) for f in feats] + ["target arch"], rows))
 
 
-def cmd_compile(args: argparse.Namespace) -> int:
-    from . import build, driver
+def _report_compiled(name: str, arch: str, art: Any) -> None:
+    from . import build
 
+    _out(f"{name} {arch}: {len(art.kernels)} kernel(s), {art.note or art.status or 'ready'}")
+    _out(f"entry: {art.dir}")
+    _out(f"library: {art.lib}")
+    _print_ptx_report(build.ptx_report(art))
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from . import driver
+
+    # the call as mokgen.compile(SPEC, arch=..., overrides=...) describes it, through the same function and
+    # before anything is resolved: `mokgen compile` and mokgen.compile() read and write one warm-start record
+    arch, key_doc = None, None
+    try:
+        overrides = _overrides(args.set)
+    except Exception:
+        pass   # the full way below reports it (after the spec, as always)
+    else:
+        arch, key_doc = driver.call_key(args.spec, args.arch, overrides)
+    if key_doc is not None and driver.warm_start_wanted(args.force):
+        hit = driver.warm_entry(key_doc, arch)
+        if hit is not None:   # verified as on every load; no plan solver, emit or CuTe DSL
+            driver.record_runtime(key_doc, hit)
+            name = str(getattr(hit.plan.spec, "name", None) or args.spec)
+            for note in getattr(hit.plan, "notes", ()):   # as the full way says it: "tuned plan from ..."
+                if str(note).startswith("tuned"):
+                    _out(f"{name} {arch}: tuned plan, {note}")
+            _report_compiled(name, arch, hit.art)
+            return 0
     spec = _load_spec(args.spec)
     arch = _arch(args)
     plan, info = _solve_tuned(spec, arch, args.set)
@@ -260,22 +288,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
         rec, pw, where = info
         _out(f"{spec.name} {arch}: tuned plan from {where} ({rec['gpu']}, {rec['created']}), "
              f"{len(pw.pieces)} piece(s)")
-        if len(pw.pieces) > 1:
-            P = _need("mokgen.plan", "solve")
-            import dataclasses as _dc
-
-            plans = [_dc.replace(P.solve(spec, arch, **pc.overrides), notes=P.solve(spec, arch, **pc.overrides).notes
-                                 + (driver._tuned_note(rec, pw, pc),)) for pc in pw.pieces]
+        if len(pw.pieces) > 1:   # the plans mokgen.compile() loads: each piece with the record's tuned backward
+            plans = [driver.tuned_plan(spec, arch, rec, pw, pc) for pc in pw.pieces]
     for plan in plans:
         sources = _emit(plan)
         # the same resolution as mokgen.compile(): build where the compiler is, find (by key or content) where not
         art = driver.resolve(sources, arch, force=args.force, jobs=args.jobs, progress=not args.quiet)
-        if len(plans) == 1:   # what mokgen.compile() of the same spec finds through its warm-start index
-            driver.remember(driver.index_key(args.spec, arch, _overrides(args.set)), art, sources)
-        _out(f"{spec.name} {arch}: {len(art.kernels)} kernel(s), {art.note or art.status or 'ready'}")
-        _out(f"entry: {art.dir}")
-        _out(f"library: {art.lib}")
-        _print_ptx_report(build.ptx_report(art))
+        if len(plans) == 1:   # the record mokgen.compile() of the same call finds (naming the DSL's runtime too)
+            driver.remember(key_doc, art, sources, find_runtime=True)
+        _report_compiled(spec.name, arch, art)
     return 0
 
 

@@ -15,7 +15,10 @@ first use) to the runtime (``mokgen.ops``, which imports none of them). The API 
 
 Warm start: :func:`compile` first asks the warm-start index (:mod:`mokgen.index`) whether the same call was
 resolved before; if so it loads that entry (verified) with the plan from its ``meta.json``, importing neither
-sympy, jinja2 nor the CuTe DSL. Every full resolution records its answer there.
+sympy, jinja2 nor the CuTe DSL. Every full resolution records its answer there. ``mokgen compile`` describes
+its call with the same function (:func:`call_key`, before anything is resolved), answers from the same records
+(:func:`warm_entry`) and writes complete ones (:func:`remember`: with the DSL's runtime library, which it looks
+up as loading the entry would), so that a record either writes serves the other.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from . import cache, index
 from .arch import ArchError, resolve_arch
 
 __all__ = ["CompilerMissingError", "compile", "resolve", "get_or_build", "load_entry", "prepare", "plan_for", "tuned",
-           "PiecewiseMoE"]
+           "PiecewiseMoE", "call_key", "warm_entry", "remember", "record_runtime"]
 
 _COMPILED: dict[str, Any] = {}
 
@@ -269,17 +272,13 @@ def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: 
     DSL; the entry is verified as on every load. ``$MOKGEN_NO_WARM_START=1`` always takes the full way (which
     still records its answer).
     """
-    given = spec
-    try:
-        arch = resolve_arch(arch)
-    except ArchError:
-        arch = None   # resolved again below, which raises it
-    key_doc = index_key(given, arch, overrides) if arch is not None else None
-    if key_doc is not None and not force and os.environ.get("MOKGEN_NO_WARM_START", "") in ("", "0"):
-        moe = _warm(key_doc, arch)
+    arch_r, key_doc = call_key(spec, arch, overrides)
+    if key_doc is not None and warm_start_wanted(force):
+        moe = _warm(key_doc, arch_r)
         if moe is not None:
             return moe
-    spec, arch, plan, sources, info = prepare(spec, arch, overrides, with_info=True)
+    # an arch that does not resolve goes on as given: prepare raises its ArchError
+    spec, arch, plan, sources, info = prepare(spec, arch_r or arch, overrides, with_info=True)
     if info is not None and info[1] is not None and len(info[1].pieces) > 1:  # a tuned piecewise plan
         rec, pw, _where = info
         pieces = [(piece.lo, piece.hi, _load(spec, arch, tuned_plan(spec, arch, rec, pw, piece), force))
@@ -312,27 +311,115 @@ def index_key(spec: Any, arch: str, overrides: Any = None) -> dict[str, Any] | N
         return None
 
 
-def remember(key_doc: Mapping[str, Any] | None, art: cache.Artifacts, sources: Any) -> None:
+def call_key(spec: Any, arch: str | None = None, overrides: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+    """``(arch, index key)`` of the call ``compile(spec, arch, overrides=...)``: the one way :func:`compile` and
+    ``mokgen compile`` describe a call to the warm-start index, so that a record either of them writes is the
+    one the other looks up. Computed from the call's inputs alone, before anything is resolved (the same inputs
+    give the same key in any process). ``arch`` resolved (:func:`mokgen.arch.resolve_arch`), None when it does
+    not resolve; the key None when the call cannot be described without the full resolution (which then says
+    what is wrong)."""
+    try:
+        arch = resolve_arch(arch)
+    except ArchError:
+        return None, None
+    return arch, index_key(spec, arch, overrides)
+
+
+def warm_start_wanted(force: bool = False) -> bool:
+    """Whether a call looks in the warm-start index first: not with ``force``, not with
+    ``$MOKGEN_NO_WARM_START=1``."""
+    return not force and os.environ.get("MOKGEN_NO_WARM_START", "") in ("", "0")
+
+
+def remember(key_doc: Mapping[str, Any] | None, art: cache.Artifacts, sources: Any, *,
+             find_runtime: bool = False) -> None:
     """Record a full resolution (``sources`` -> ``art``) in the warm-start index under ``key_doc``
-    (:func:`mokgen.index.index_key`; None: nothing to record). :func:`compile` and ``mokgen compile`` call it."""
+    (:func:`call_key`; None: nothing to record). :func:`compile` and ``mokgen compile`` call it.
+
+    The record names the CuTe DSL runtime library this process found (``mokgen.ops.dsl_runtime_hint``), which
+    lets a later process load the entry without importing the DSL. :func:`compile` has found it by loading the
+    entry; ``find_runtime=True`` (``mokgen compile``, which loads nothing) looks it up in the DSL install now,
+    where the compiler is and the index does not already name it for this entry."""
     if key_doc is None:
         return
     from .ops import dsl_runtime_hint
 
-    index.remember(key_doc, art, exact=art.key == cache.key_for(sources, art.arch), runtime=dsl_runtime_hint())
+    hint = dsl_runtime_hint()
+    if hint is None and find_runtime:
+        hint = _dsl_runtime_hint_for(key_doc, art)
+    index.remember(key_doc, art, exact=art.key == cache.key_for(sources, art.arch), runtime=hint)
 
 
-def _warm(key_doc: Mapping[str, Any], arch: str) -> Any:
-    """The :class:`mokgen.ops.CompiledMoE` of the entry the index names for ``key_doc``, or None (a miss: no
-    record, or an entry that is gone, damaged, re-keyed or whose runtime library does not check out; the full
-    resolution then decides, and says what is wrong)."""
+def _runtime_hint_ok(hint: Any) -> bool:
+    """Whether ``hint`` (``{path, size, mtime_ns}``, :func:`mokgen.ops.dsl_runtime_hint` in an earlier process)
+    still names that file: the same identity ``mokgen.ops.find_runtime_library`` checks before it uses one."""
+    if not isinstance(hint, Mapping) or not isinstance(hint.get("path"), str):
+        return False
+    try:
+        st = os.stat(hint["path"])
+    except OSError:
+        return False
+    return dict(hint) == {"path": hint["path"], "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _dsl_runtime_hint_for(key_doc: Mapping[str, Any], art: cache.Artifacts) -> dict[str, Any] | None:
+    """The runtime hint for a record of ``art`` written without loading it: the one the index already has for
+    this entry (if it still checks out), else the CuTe DSL's own answer (``cutlass.cute.runtime``, as loading the
+    entry would ask it; imported here where the compiler is). None without the compiler or with
+    ``$MOKGEN_RUNTIME_LIB`` (then the runtime is not the DSL install's: nothing to record)."""
+    if os.environ.get("MOKGEN_RUNTIME_LIB") or not _dsl_available():
+        return None
+    old = index.lookup(key_doc, compiler=True)
+    if old is not None and old[1].get("key") == art.key and _runtime_hint_ok(old[1].get("runtime")):
+        return dict(old[1]["runtime"])
+    from . import ops
+
+    try:
+        ops.find_runtime_library(None)
+    except Exception:
+        return None   # loading the entry says what is wrong
+    return ops.dsl_runtime_hint()
+
+
+def record_runtime(key_doc: Mapping[str, Any], hit: "WarmHit") -> None:
+    """For a warm answer that loads nothing (``mokgen compile``): where the record does not name a runtime
+    library that still checks out (a record from an older mokgen, a reinstalled DSL), name the DSL's now, so
+    that the next :func:`compile` need not import the DSL to find it."""
+    if _runtime_hint_ok(hit.rec.get("runtime")):
+        return
+    hint = _dsl_runtime_hint_for(key_doc, hit.art)
+    if hint is not None:
+        index.remember(key_doc, hit.art, exact=bool(hit.rec.get("exact")), runtime=hint)
+
+
+class WarmHit:
+    """What the warm-start index answered: the verified entry (``art``), its plan (``plan.Plan`` from the
+    entry's ``meta.json``) and the index record (``rec``)."""
+
+    __slots__ = ("art", "plan", "rec")
+
+    def __init__(self, art: cache.Artifacts, plan: Any, rec: Mapping[str, Any]):
+        self.art, self.plan, self.rec = art, plan, rec
+
+
+def warm_entry(key_doc: Mapping[str, Any], arch: str) -> WarmHit | None:
+    """The entry the warm-start index names for ``key_doc`` (:func:`call_key`), verified, with its plan, or None
+    (a miss: no record, or an entry that is gone, damaged, re-keyed or whose runtime library does not check out;
+    the full resolution then decides, and says what is wrong). Imports neither sympy, jinja2, the CuTe DSL nor
+    torch. :func:`compile` and ``mokgen compile`` both answer from it.
+
+    Without the compiler the runtime library must check out as on the full way (:func:`_check_runtime_for`),
+    unless the record names the DSL install's runtime library and that file is unchanged: a record written
+    where the compiler is (``exact``) on a host whose DSL install (part of the key) is the same."""
     compiler = _dsl_available()
     hit = index.lookup(key_doc, compiler=compiler)
     if hit is None:
         return None
     entry, rec = hit
     try:
-        art = cache.load_artifacts(entry, status="cached", note="cached (warm-start index)")
+        note = "cached (warm-start index)" if rec.get("exact") is True else (
+            "cached (warm-start index; built on another host: found by content)")
+        art = cache.load_artifacts(entry, status="cached", note=note)
     except cache.DamagedEntryError as e:
         if compiler or not entry.is_dir():
             return None   # the full way rebuilds it (or finds that it is gone)
@@ -342,13 +429,23 @@ def _warm(key_doc: Mapping[str, Any], arch: str) -> Any:
     try:
         if art.key != rec["key"] or art.arch != arch or not isinstance(art.meta.get("plan"), Mapping):
             return None
-        if not compiler:
+        if not compiler and not (rec.get("exact") is True and not os.environ.get("MOKGEN_RUNTIME_LIB")
+                                 and _runtime_hint_ok(rec.get("runtime"))):
             _check_runtime_for(art)
         from .plan import Plan
 
         plan = Plan.from_dict(art.meta["plan"])
     except Exception:
         return None
+    return WarmHit(art, plan, rec)
+
+
+def _warm(key_doc: Mapping[str, Any], arch: str) -> Any:
+    """The :class:`mokgen.ops.CompiledMoE` of :func:`warm_entry`'s entry for ``key_doc``, or None (a miss)."""
+    hit = warm_entry(key_doc, arch)
+    if hit is None:
+        return None
+    art, plan, rec = hit.art, hit.plan, hit.rec
     key = str(Path(art.dir).resolve())
     moe = _COMPILED.get(key)
     if moe is None:

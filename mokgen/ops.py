@@ -231,7 +231,7 @@ class Saved:
 _LOAD_LOCK = threading.Lock()
 _RUNTIME_HANDLES: dict[str, ctypes.CDLL] = {}
 _MODULES: dict[str, Any] = {}
-_DSL_RUNTIME: list[str] = []   # the runtime library step 2 of find_runtime_library found (see dsl_runtime_hint)
+_DSL_RUNTIME: list[str] = []   # the DSL's runtime library steps 2-3 of find_runtime_library found (dsl_runtime_hint)
 
 
 def _file_id(path: str) -> dict[str, Any] | None:
@@ -253,21 +253,26 @@ def find_runtime_library(entry_dir: str | os.PathLike | None = None, *,
     """Path of ``libcute_dsl_runtime.so``, searched in this order:
 
     1. ``$MOKGEN_RUNTIME_LIB`` (an explicit override);
-    2. the CuTe DSL install (``cutlass.cute.runtime.find_runtime_libraries``; importing the DSL takes ~0.5 s),
-       or, where the DSL is installed, ``dsl_hint`` (what :func:`dsl_runtime_hint` said in an earlier process)
-       while that file still has its size and mtime: the DSL is then not imported;
-    3. the copy a packed cache ships: ``<entry_dir>/../../runtime/libcute_dsl_runtime.so``.
+    2. ``dsl_hint``: the CuTe DSL install's runtime library as :func:`dsl_runtime_hint` named it in an earlier
+       process (the warm-start index keeps it), while that file still has its size and mtime: the DSL is not
+       imported (nor need it be importable);
+    3. the CuTe DSL install (``cutlass.cute.runtime.find_runtime_libraries``; importing the DSL takes ~0.5 s);
+    4. the copy a packed cache ships: ``<entry_dir>/../../runtime/libcute_dsl_runtime.so``.
     """
     env = os.environ.get("MOKGEN_RUNTIME_LIB")
     if env:
         if not Path(env).is_file():
             raise LoadError(f"MOKGEN_RUNTIME_LIB={env} is not a file")
         return env
+    if dsl_hint and isinstance(dsl_hint.get("path"), str) and _file_id(dsl_hint["path"]) == dict(dsl_hint):
+        _DSL_RUNTIME[:] = [dsl_hint["path"]]
+        return dsl_hint["path"]
     dsl_note = "the CuTe DSL is not installed"
-    if importlib.util.find_spec("cutlass") is not None:
-        if dsl_hint and isinstance(dsl_hint.get("path"), str) and _file_id(dsl_hint["path"]) == dict(dsl_hint):
-            _DSL_RUNTIME[:] = [dsl_hint["path"]]
-            return dsl_hint["path"]
+    try:
+        dsl = importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):   # as mokgen.cache._compiler_available: not importable is not installed
+        dsl = False
+    if dsl:
         try:
             from cutlass.cute.runtime import find_runtime_libraries
 

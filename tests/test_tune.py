@@ -411,6 +411,38 @@ def test_tune_train_picks_the_measured_winner_stores_it_and_compile_applies_it(
     assert "backward (tune --train): dgrad2_bn=64,wgrad1_bn=64" in capsys.readouterr().out
 
 
+def test_cli_compile_builds_the_pieces_compile_loads(mokgen_cache: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, capsys):
+    """`mokgen compile` of a spec with a tuned piecewise record builds the plans mokgen.compile() loads: every
+    piece with the record's tuned backward (it used to solve the pieces' forward overrides alone)."""
+    from mokgen import cache
+    from mokgen.emit import template_hash
+
+    spec = load_spec(TINY)
+    yml = tmp_path / "tiny-tune.yaml"
+    yml.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
+    pw = dict(PW1, spec_name=spec.name, pieces=[dict(PW1["pieces"][0], hi=32, overrides={"gemm2_bn": 128}),
+                                                {"lo": 32, "hi": 0, "overrides": {}, "predicted_ms": 2.0, "at": 64,
+                                                 "measured_ms": None}])
+    tunedb.save(arch="sm_90a", gpu="FakeGPU", tools=tunedb.toolchain(), template_hash=template_hash(), spec=spec,
+                piecewise=pw, backward={"overrides": {"wgrad1_bn": 64}, "date": "2026-01-01"})
+    monkeypatch.setenv("MOKGEN_GPU_NAME", "FakeGPU")
+    built = []
+
+    def resolve(sources, arch, **kw):
+        built.append(sources.plan)
+        return cache.Artifacts(dir=tmp_path, lib=tmp_path / "libmokgen.so", kernels=(), arch=arch, key="0" * 64,
+                               meta={}, status="built", note="built")
+
+    monkeypatch.setattr(driver, "resolve", resolve)
+    assert cli.main(["compile", str(yml), "--arch", "sm_90a", "-q"]) == 0
+    assert "2 piece(s)" in capsys.readouterr().out
+    rec, _ = tunedb.find("sm_90a", "FakeGPU", tunedb.toolchain(), template_hash(), spec)
+    got = C.PiecewisePlan.from_dict(rec["piecewise"])
+    assert built == [driver.tuned_plan(spec, "sm_90a", rec, got, pc) for pc in got.pieces]
+    assert [p.backward.wgrad1.bn for p in built] == [64, 64] and built[0].gemm2.bn == 128
+
+
 def test_tune_train_keeps_the_default_when_nothing_is_faster_and_old_records_still_load(
         mokgen_cache: Path, monkeypatch: pytest.MonkeyPatch):
     from mokgen import tune
