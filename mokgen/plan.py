@@ -739,7 +739,8 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
 def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str, Any]) -> Plan:
     """The backward GEMMs' overrides on a solved plan, in this order (each later one on the result of the earlier):
     ``<kernel>_bn`` (rebuilds the GEMM's plan by the default rules for that tile N: stages, raster, dgrad1's z
-    chunk = min(Z_CHUNK, bn / 4)), ``dgrad*_consumer`` (stages refit), ``<kernel>_stages`` (within what fits),
+    chunk = min(Z_CHUNK, bn / 4)), ``<kernel>_consumer`` (stages refit), ``wgrad*_epi_n`` / ``wgrad*_epi_stages``
+    (stages refit to what fits beside the epilogue buffers), ``<kernel>_stages`` (within what fits),
     ``dgrad1_z_chunk``, ``wgrad*_raster_group``."""
     bwd = {n: getattr(plan.backward, n) for n in BACKWARD_GEMMS}
     changed = False
@@ -750,15 +751,31 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
             if (why := _backward_bn_problem(spec, a, name, bn)) is not None:
                 raise PlanError(f"plan.{key}: {why}")
             bwd[name], changed = _backward_gemm(spec, a, name, plan.bm, bn), True  # consumer: the routing tile's
-    for name in ("dgrad1", "dgrad2"):
+    for name in BACKWARD_GEMMS:
         key = f"{name}_consumer"
         if key in overrides:
             if overrides[key] not in CONSUMERS:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {overrides[key]!r}")
             g = bwd[name]
-            if overrides[key] == "cooperative" and g.bm < BM:
+            if overrides[key] == "cooperative" and g.bm < BM:   # dgrads: a tile inside one routing tile
                 raise PlanError(f"plan.{key}: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
             bwd[name], changed = _with_consumer(a, g, overrides[key]), True
+    for name in ("wgrad1", "wgrad2"):   # epilogue staging first: it bounds the stages that fit
+        for field in ("epi_n", "epi_stages"):
+            key = f"{name}_{field}"
+            if key not in overrides:
+                continue
+            v, legal = _int_override(key, overrides[key]), _SPACE.values(field, name)
+            g = bwd[name]
+            if v not in legal:
+                raise PlanError(f"plan.{key}: must be one of {', '.join(map(str, legal))}, got {v}")
+            if field == "epi_n" and g.bn % v:
+                raise PlanError(f"plan.{key}: {v} does not divide {name}'s tile N {g.bn}")
+            g = dataclasses.replace(g, **{field: v})
+            g = dataclasses.replace(g, stages=min(g.stages, _stages_most(a, g)))
+            if g.stages < MIN_STAGES:
+                raise PlanError(f"plan.{key}: {v} does not fit {name}'s shared memory with {MIN_STAGES} stages")
+            bwd[name], changed = g, True
     for name in BACKWARD_GEMMS:
         key = f"{name}_stages"
         if key in overrides:
