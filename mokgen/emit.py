@@ -322,8 +322,7 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
     producer_regs, consumer_regs = g.regs
     if not accumulate:
         _check_smem(plan, g.smem_bytes(), f"plan.backward.{name}: {g.stages} stages")
-    return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.tile_m, bn=g.bn, bk=g.bk,
-                pingpong=g.consumer == "pingpong",
+    return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
                 stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
                 accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
                 **_table(name + ("_acc" if accumulate else "")))

@@ -80,6 +80,16 @@ MAINLOOP_EFF = {256: 1.0, 192: 0.95, 128: 0.88, 64: 0.7}
 # boxes per stage: kimi-k2 2.72 vs 2.56 ms) and is only an override.
 GEMM1_A_LOAD = "gather"
 GATHER_MIN_GROUP_ROWS = 1024
+# The wgrad GEMMs' epilogue staging. A wgrad tile's reduction is its group's rows, so where routed groups are
+# tiny the bf16 epilogue (stmatrix -> smem -> TMA store, 32-column slices through 2 buffers, each reuse waiting
+# for the TMA store of two slices back) is most of a tile's time. Measured on the H200 (bench/NOTES.md v10,
+# sustained step timelines, same call): gpt-oss-120b (128 rows per expert, 2 K steps a tile) wgrad1 2.50 ->
+# 1.98 ms and wgrad2 1.29 -> 1.02 ms with the whole 128 x 256 tile buffered (64-column slices, 4 buffers: no
+# wait inside a tile; 3 stages fit beside them); qwen3-30b-a3b (256 rows, 4 K steps) within the run-to-run
+# spread; dbrx-like (2048 rows), glm-5 and qwen3.5-397b-a17b 4-14% slower (the ring loses a stage). So the
+# whole-tile staging is used where the routed groups average at most WGRAD_TILE_EPI_MAX_ROWS rows.
+WGRAD_TILE_EPI_MAX_ROWS = 192
+WGRAD_TILE_EPI = dict(epi_n=64, epi_stages=4)
 A_LOADS = _SPACE.values("a_load", "gemm1")
 OVERRIDES = _override_keys("sm_90a")  # every knob's keys (mokgen.space)
 CLUSTERS = _SPACE.values("cluster", "gemm1")
@@ -326,6 +336,10 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     )
     if name == "dgrad1":
         g = dataclasses.replace(g, z_chunk=min(Z_CHUNK, bn // 4))
+    tiny_groups = spec.routed_rows <= WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts
+    if k is None and tiny_groups and bn % WGRAD_TILE_EPI["epi_n"] == 0:
+        g = dataclasses.replace(g, **WGRAD_TILE_EPI)   # tiny groups: the whole tile's epilogue buffered
+        g = dataclasses.replace(g, stages=min(g.stages, _stages_most(arch, g)))
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
     return _with_consumer(arch, g, "pingpong") if k is not None and bm < BM else g
 
@@ -739,7 +753,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
 def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str, Any]) -> Plan:
     """The backward GEMMs' overrides on a solved plan, in this order (each later one on the result of the earlier):
     ``<kernel>_bn`` (rebuilds the GEMM's plan by the default rules for that tile N: stages, raster, dgrad1's z
-    chunk = min(Z_CHUNK, bn / 4)), ``<kernel>_consumer`` (stages refit), ``wgrad*_epi_n`` / ``wgrad*_epi_stages``
+    chunk = min(Z_CHUNK, bn / 4)), ``dgrad*_consumer`` (stages refit), ``wgrad*_epi_n`` / ``wgrad*_epi_stages``
     (stages refit to what fits beside the epilogue buffers), ``<kernel>_stages`` (within what fits),
     ``dgrad1_z_chunk``, ``wgrad*_raster_group``."""
     bwd = {n: getattr(plan.backward, n) for n in BACKWARD_GEMMS}
@@ -751,13 +765,13 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
             if (why := _backward_bn_problem(spec, a, name, bn)) is not None:
                 raise PlanError(f"plan.{key}: {why}")
             bwd[name], changed = _backward_gemm(spec, a, name, plan.bm, bn), True  # consumer: the routing tile's
-    for name in BACKWARD_GEMMS:
+    for name in ("dgrad1", "dgrad2"):
         key = f"{name}_consumer"
         if key in overrides:
             if overrides[key] not in CONSUMERS:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(CONSUMERS)}, got {overrides[key]!r}")
             g = bwd[name]
-            if overrides[key] == "cooperative" and g.bm < BM:   # dgrads: a tile inside one routing tile
+            if overrides[key] == "cooperative" and g.bm < BM:
                 raise PlanError(f"plan.{key}: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
             bwd[name], changed = _with_consumer(a, g, overrides[key]), True
     for name in ("wgrad1", "wgrad2"):   # epilogue staging first: it bounds the stages that fit

@@ -96,9 +96,6 @@ SM90 = ArchSpace(
              doc="four launches, or routing + one persistent kernel"),
         Knob("consumer", ("dgrad1", "dgrad2"), ("cooperative", "pingpong"), search=("cooperative", "pingpong"),
              doc="backward dgrad GEMMs' consumer mode (derived from the routing tile)"),
-        Knob("consumer", _WGRAD, ("cooperative", "pingpong"), search=("cooperative", "pingpong"),
-             doc="wgrad: two warpgroups on one 128-row output tile, or each on its own 64-row tile in turn (the "
-                 "epilogue of one overlaps the other's wgmma)"),
         Knob("z_chunk", ("dgrad1",), (4, 8, 16, 32), search=(8, 16, 32),
              doc="dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (registers)"),
         Knob("bn", _BWD, _BN, search=_BN,
@@ -320,10 +317,9 @@ def _check_backward_plan(plan: Any) -> list[str]:
                 out.append(f"{where}.consumer {g.consumer!r} not in the space")
             if g.bm != plan.bm or plan.bm % g.tile_m:
                 out.append(f"{where}: {g.tile_m}-row tiles on {g.bm}-row groups, routing tile {plan.bm}")
-        else:  # a wgrad: 128-row cooperative or 64-row ping-pong output tiles, RASTER output M tiles per panel
-            if g.bm != sp_.bm or g.consumer not in sp_.values("consumer", name):
-                out.append(f"{where}: the wgrad template takes 128-row cooperative or 64-row ping-pong tiles, got "
-                           f"{g.bm} {g.consumer}")
+        else:  # a wgrad: one 128-row cooperative output tile, RASTER output M tiles per panel
+            if g.bm != sp_.bm or g.consumer != "cooperative":
+                out.append(f"{where}: the wgrad template takes 128-row cooperative tiles, got {g.bm} {g.consumer}")
             if g.raster_group not in sp_.values("raster_group", name):
                 out.append(f"{where}.raster_group {g.raster_group} not in the space")
     d1 = plan.backward.dgrad1
@@ -372,8 +368,8 @@ def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] = S
 # composed afterwards and the composition is timed too).
 BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_chunk", "dgrad1_stages",
                         "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
-                        "wgrad1_bn", "wgrad1_consumer", "wgrad1_stages", "wgrad1_raster_group",
-                        "wgrad2_bn", "wgrad2_consumer", "wgrad2_stages", "wgrad2_raster_group")
+                        "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group",
+                        "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group")
 
 
 def backward_kernel(key: str) -> str:

@@ -46,7 +46,7 @@ PRESETS = {
     "qwen3-30b-dw1": dict(m_out=1536, n_out=2048, groups=128, bn=256),
 }
 
-DEFAULTS = dict(group_m=128, bm=128, bk=64, epi_n=32, epi_stages=2, raster=8, accumulate=False, pingpong=False,
+DEFAULTS = dict(group_m=128, bm=128, bk=64, epi_n=32, epi_stages=2, raster=8, accumulate=False,
                 producer_regs=40, consumer_regs=232)
 
 PTX_COUNTS = {
@@ -68,8 +68,7 @@ def stage_bytes(p: dict) -> int:
 
 
 def epi_bytes(p: dict) -> int:
-    # fp32 path: no smem epilogue; ping-pong: each consumer warpgroup its own buffers
-    return 0 if p["accumulate"] else (2 if p["pingpong"] else 1) * p["bm"] * p["epi_n"] * 2 * p["epi_stages"]
+    return 0 if p["accumulate"] else p["bm"] * p["epi_n"] * 2 * p["epi_stages"]  # fp32 path: no smem epilogue
 
 
 def max_stages(p: dict) -> int:
@@ -79,8 +78,6 @@ def max_stages(p: dict) -> int:
 def full_params(**overrides) -> dict:
     p = dict(DEFAULTS)
     p.update({k: v for k, v in overrides.items() if v is not None})
-    if p["pingpong"]:
-        p["bm"] = 64   # one consumer warpgroup's tile
     if not p.get("stages"):
         p["stages"] = max_stages(p)
     smem = p["stages"] * stage_bytes(p) + epi_bytes(p) + SMEM_BARRIERS
