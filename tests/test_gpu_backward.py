@@ -12,7 +12,9 @@ bits of each run alone; fp32 main_grad accumulation (low level, and over 3 micro
 with the eager bits; ``torch.compile(fullgraph=True)`` of a module using ``mokgen.MoE`` gives the eager bits
 forward and backward.
 
-``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets; ``MOKGEN_GPU_TOKENS`` caps the token count (default:
+The default list is five presets and tools/specs/dbrx-like.yaml (the few-large-experts class: 16 experts, 2048
+rows each at its 8192 tokens; first run with ``MOKGEN_GPU_TOKENS=4096``). ``MOKGEN_GPU_PRESETS`` (comma-separated
+preset names or YAML paths) picks others; ``MOKGEN_GPU_TOKENS`` caps the token count (default:
 each preset's own ``tokens``: the float64 reference is fast on an H200, and every preset then has many waves of
 tiles); ``MOKGEN_GPU_OVERRIDES`` (``k=v,...``) plan overrides for ``mokgen.compile``.
 """
@@ -36,7 +38,9 @@ from mokgen.ops import cap_rows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
+# the presets, and a bench spec of the few-large-experts class (16 experts of FFN 10752: long varlen-K wgrads)
+PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b",
+           str(Path(__file__).resolve().parents[1] / "tools" / "specs" / "dbrx-like.yaml")]
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
 TOL = 1e-2

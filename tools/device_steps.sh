@@ -25,7 +25,7 @@ for step in "$@"; do
   case $kind in
     test)
       file=${rest%%:*}; rest2=${rest#*:}; presets=${rest2%%:*}; ovr=""; [ "$rest2" != "$presets" ] && ovr=${rest2#*:}
-      log="$OUT/pytest-$(basename "$file" .py)-${presets//,/_}.log"
+      tag=${presets//,/_}; tag=${tag//\//_}; log="$OUT/pytest-$(basename "$file" .py)-$tag.log"
       MOKGEN_GPU_PRESETS=$presets MOKGEN_GPU_OVERRIDES=$ovr timeout "${STEP_TIMEOUT:-300}" \
         python3 -m pytest -q -p no:cacheprovider "tests/$file" >"$log" 2>&1
       echo "exit $?"; grep -E "passed|failed|error" "$log" | tail -3; grep -E "^(FAILED|ERROR)" "$log" | head -10 | cut -c1-300 ;;
