@@ -38,6 +38,9 @@ median_ms, tokens_per_s, speedup_vs_grouped_mm, speedup_vs_liger, losses (every 
 loss_max_rel_diff_vs_grouped_mm (over the steps), step_ms, round_ms, steps, warmup_steps, peak_mem_mb,
 init_checksum, optimizer, timing, plus ``error`` where an implementation failed (the others go on).
 
+Exit status 0 when every implementation that ran has a record without ``error``, else 1 (the records are
+written either way); 2 for bad arguments or no GPU.
+
 ``--dry-run``: CPU, tiny dims (hidden 256, 2 layers, 8 experts, top-2, moe_intermediate 128, 2 x 64 tokens,
 4 steps), mokgen through its reference kernels (``mokgen.integrations.transformers.reference_compiler``), no
 Liger; writes nothing unless ``--out`` is given. It keeps this script from rotting (tests/test_bench_model.py).

@@ -176,7 +176,7 @@ def configure(*, tokens: int | None = None, masked: bool | None = None, relayout
     if relayout is not None:
         new.relayout = bool(relayout)
     if overrides is not None:
-        new.overrides = dict(overrides)
+        new.overrides = dict(overrides) or None   # {}: back to the solver's (or the tuning record's) plan
     with _LOCK:
         if (new.tokens, new.overrides) != (old.tokens, old.overrides):
             _COMPILED.clear()
