@@ -18,6 +18,7 @@ Pieces (docs/contract.md, "Device workspace and kernels" and "runtime"):
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import importlib
 import importlib.util
@@ -449,6 +450,8 @@ class CompiledMoE:
         self._sm_count: dict[tuple[str, int], int] = {}
         self._states: dict[torch.device, _DeviceState] = {}   # per device: sticky error flags, dummy bias
         self._warned_int64 = False
+        self.masked = False   # masking mode (masked_view): ids >= local_experts are masked slots, not errors
+        self._masked_view: "CompiledMoE | None" = None
         self._registry_id = next(_IDS)
         _REGISTRY[self._registry_id] = self
 
@@ -466,6 +469,31 @@ class CompiledMoE:
         """Drop the per-device state and the registry entry (the custom op can no longer reach this object)."""
         self._states.clear()
         _REGISTRY.pop(self._registry_id, None)
+        if self._masked_view is not None:
+            self._masked_view.close()
+
+    def masked_view(self) -> "CompiledMoE":
+        """The same kernels in **masking mode** (one view per object, with its own registry id).
+
+        Masking mode is for callers whose routing marks slots that this rank must not compute (transformers'
+        expert-parallel convention: a slot routed to another rank's expert arrives with id ``local_experts`` and
+        weight 0): every ``topk_idx`` value ``>= local_experts`` is a *masked* slot. The routing kernel drops it
+        like any out-of-range id (no rows, no GEMM work; it contributes exactly 0 to y and gets zero gradient,
+        its ``topk_weight`` included), and it is not reported: ``check_errors`` and ``check=True`` report only
+        negative ids. Objects not in masking mode keep reporting every id outside ``[0, local_experts)``.
+        Cost: one small reduction over ``topk_idx`` per call (the negative-id flag), no host sync. The view
+        shares the kernels, the per-device state (sticky error flags) and the compiled artifact."""
+        if self.masked:
+            return self
+        v = self._masked_view
+        if v is None:
+            v = copy.copy(self)   # shallow: _fns, _states, _sm_count are shared with this object
+            v.masked = True
+            v._masked_view = None
+            v._registry_id = next(_IDS)
+            _REGISTRY[v._registry_id] = v
+            self._masked_view = v
+        return v
 
     # ---- per-device state and errors --------------------------------------------------------------------------
 
@@ -489,14 +517,23 @@ class CompiledMoE:
         return st
 
     @staticmethod
-    def _record_errors(st: "_DeviceState", meta: torch.Tensor, sync: torch.Tensor | None = None) -> None:
-        """Fold one call's error flags (``meta[1]``, fused ``sync[2]``: 0 or 1) into the device's sticky flags,
-        stream-ordered after the call's kernels, without a host sync: ``errs[0, meta[1]] = 1`` (and
-        ``errs[1, sync[2]] = 1``). Only the constant 1 is ever written, and only at the indexed element, so calls
-        on concurrent streams never lose each other's flags (a read-modify-write such as ``max`` could)."""
-        st.errs[0].index_put_((meta[1:2],), st.one)
+    def _record_errors(st: "_DeviceState", flag: torch.Tensor, sync: torch.Tensor | None = None) -> None:
+        """Fold one call's error flags (``flag``: [1] int32 0 or 1, the routing error, see :meth:`_routing_flag`;
+        fused ``sync[2]``) into the device's sticky flags, stream-ordered after the call's kernels, without a
+        host sync: ``errs[0, flag[0]] = 1`` (and ``errs[1, sync[2]] = 1``). Only the constant 1 is ever written,
+        and only at the indexed element, so calls on concurrent streams never lose each other's flags (a
+        read-modify-write such as ``max`` could)."""
+        st.errs[0].index_put_((flag,), st.one)
         if sync is not None:
             st.errs[1].index_put_((sync[2:3],), st.one)
+
+    def _routing_flag(self, meta: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """[1] int32, 1 when this call's routing was in error: ``meta[1]`` (the routing kernel saw an id outside
+        ``[0, local_experts)``), or in masking mode a negative id (ids >= local_experts are masked slots, which
+        the kernel drops but which are no error). No host sync."""
+        if not self.masked:
+            return meta[1:2]
+        return (topk_idx < 0).any().to(torch.int32).reshape(1)
 
     def check_errors(self) -> None:
         """Raise :class:`KernelTimeoutError` if a fused-kernel wait of any call since the last check timed out,
@@ -524,11 +561,19 @@ class CompiledMoE:
         if routing:
             raise RoutingError(
                 f"mokgen {self.name}: since the last check, call(s) saw topk_idx values outside "
-                f"[0, {self.cfg.local_experts}); those slots were dropped (contributed 0). Call with check=True "
-                "to find the call and the bad indices.")
+                f"[0, {self.cfg.local_experts}) (or, in masking mode, negative values); those slots were dropped "
+                "(contributed 0). Call with check=True to find the call and the bad indices.")
 
     def _count_bad(self, topk_idx: torch.Tensor) -> str:
         E = self.cfg.local_experts
+        if self.masked:
+            bad = topk_idx < 0
+            n = int(bad.sum())
+            if n == 0:
+                return "0 bad indices found in topk_idx"
+            t, k = (int(v) for v in bad.nonzero()[0])
+            return (f"{n} negative topk_idx value(s) (masking mode: ids >= {E} are masked slots, negative ids are "
+                    f"errors), e.g. topk_idx[{t}, {k}] = {int(topk_idx[t, k])}")
         bad = (topk_idx < 0) | (topk_idx >= E)
         n = int(bad.sum())
         if n == 0:
@@ -671,10 +716,11 @@ class CompiledMoE:
 
     def _after_call(self, st: "_DeviceState", ws: Workspace, topk_idx: torch.Tensor, check: bool,
                     y: torch.Tensor) -> torch.Tensor:
+        flag = self._routing_flag(ws.meta, topk_idx)
         if not check:   # no sync: the flags go to the device's sticky ones (check_errors)
-            self._record_errors(st, ws.meta, ws.sync)
+            self._record_errors(st, flag, ws.sync)
             return y
-        if int(ws.meta[1]):   # syncs with this call's kernels (the current stream)
+        if int(flag[0]):   # syncs with this call's kernels (the current stream)
             raise RoutingError(f"mokgen {self.name}: {self._count_bad(topk_idx)}; those slots were dropped "
                                "(contributed 0)")
         if ws.sync is not None and int(ws.sync[2]):
@@ -745,7 +791,7 @@ class CompiledMoE:
                  meta=sv.meta, out=ys, num_ctas=num_ctas)
             y = out if out is not None else torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=ys, slot_pos=sv.slot_pos, y=y)
-            self._record_errors(st, sv.meta)
+            self._record_errors(st, self._routing_flag(sv.meta, topk_idx))
         return y, sv
 
     def _group_onehot(self, tile_group: torch.Tensor) -> torch.Tensor:
@@ -1001,14 +1047,19 @@ def _register_ops() -> None:
 
 
 def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: CompiledMoE,
-                w1_main_grad: torch.Tensor | None = None, w2_main_grad: torch.Tensor | None = None) -> torch.Tensor:
+                w1_main_grad: torch.Tensor | None = None, w2_main_grad: torch.Tensor | None = None,
+                masked: bool = False) -> torch.Tensor:
     """Differentiable y = MoE(x) (torch.compile-able: fake impls registered). When autograd needs gradients, the
     training op runs (GEMM 1 also saves z; per-call routing metadata) and ``loss.backward()`` runs the generated
     backward kernels; otherwise the inference kernels. ``w1_main_grad`` / ``w2_main_grad`` (fp32, the weights'
-    shapes): the weight gradients are added into them (Megatron-style) and w1 / w2 get no ``.grad``."""
+    shapes): the weight gradients are added into them (Megatron-style) and w1 / w2 get no ``.grad``.
+    ``masked=True``: masking mode (:meth:`CompiledMoE.masked_view`): ids >= local experts are masked slots
+    (output 0, zero gradient, not reported as routing errors; negative ids still are)."""
     register_ops()
     if not isinstance(moe, CompiledMoE) and hasattr(moe, "select"):  # a tuned piecewise plan: pick by T (host)
         moe = moe.select(x.shape[0])
+    if masked:
+        moe = moe.masked_view()
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weight, w1, w2, b1, b2))
     if not needs_grad:

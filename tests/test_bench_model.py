@@ -1,0 +1,60 @@
+"""tools/bench_model.py on the CPU: the dry run (a tiny Qwen3-MoE-shaped model, mokgen's backend on its
+reference kernels and transformers' grouped_mm, a few AdamW steps) and its records."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+
+import bench_model as BM  # noqa: E402
+
+import mokgen.integrations.transformers as mt  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def restore_backend():
+    old, opts = mt.set_compiler(None), mt.options()
+    mt.set_compiler(old)
+    yield
+    mt.set_compiler(old)
+    mt.configure(tokens=opts.tokens)
+
+
+def test_dry_run_writes_records(tmp_path):
+    out = tmp_path / "model.json"
+    assert BM.main(["--dry-run", "--out", str(out), "--rounds", "2", "--steps", "5"]) == 0
+    recs = json.loads(out.read_text())
+    assert [r["impl"] for r in recs] == ["grouped_mm", "mokgen"]   # liger needs CUDA
+    for r in recs:
+        assert "error" not in r, r.get("error")
+        for f in BM.RECORD_FIELDS:
+            assert f in r, f
+        assert r["steps"] == 5 and len(r["losses"]) == 5 and len(r["step_ms"]) == 5 and len(r["round_ms"]) == 2
+        assert all(math.isfinite(v) for v in r["losses"])
+        assert r["tokens_per_s"] == pytest.approx(r["dims"]["tokens_per_step"] / (r["median_ms"] * 1e-3))
+        assert r["versions"]["transformers"]
+    gmm, mok = recs
+    assert gmm["speedup_vs_grouped_mm"] == pytest.approx(1.0)
+    assert mok["speedup_vs_grouped_mm"] == pytest.approx(gmm["median_ms"] / mok["median_ms"])
+    assert mok["init_checksum"] == gmm["init_checksum"]        # the same initial weights
+    assert mok["losses"][0] == pytest.approx(gmm["losses"][0], rel=1e-2)
+    assert mok["loss_max_rel_diff_vs_grouped_mm"] < 5e-2
+
+
+def test_dry_run_writes_nothing_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert BM.main(["--dry-run", "--steps", "2", "--impls", "mokgen"]) == 0
+    assert not (tmp_path / "bench").exists()
+
+
+def test_bad_arguments():
+    assert BM.main(["--dry-run", "--impls", "nope"]) == 2
+    assert BM.main(["--dry-run", "--steps", "0"]) == 2
