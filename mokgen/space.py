@@ -110,9 +110,9 @@ SM90 = ArchSpace(
                  "measured within 1%"),
         Knob("epi_stages", ("plan",), (2, 4), search=None,
              doc="epilogue smem buffers of the forward GEMMs (more: fewer pipeline stages fit)"),
-        Knob("epi_n", _WGRAD, (32, 64), search=None,
+        Knob("epi_n", _WGRAD, (32, 64), search=(32, 64),
              doc="wgrad: columns per epilogue slice (bf16 store through smem and TMA)"),
-        Knob("epi_stages", _WGRAD, (2, 4), search=None,
+        Knob("epi_stages", _WGRAD, (2, 4), search=(2, 4),
              doc="wgrad: epilogue smem buffers; as many as the tile has slices, and the tile's store never waits "
                  "for an earlier TMA store to have read its buffer (more smem: fewer stages may fit)"),
     ),
@@ -368,8 +368,8 @@ def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] = S
 # composed afterwards and the composition is timed too).
 BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_chunk", "dgrad1_stages",
                         "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
-                        "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group",
-                        "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group")
+                        "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
+                        "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n", "wgrad2_epi_stages")
 
 
 def backward_kernel(key: str) -> str:

@@ -120,7 +120,7 @@ def test_every_backward_variant_satisfies_the_constraints(name):
             text = src[f"{kernel}.py"]
             want = {"bn": f"BN = {value}", "stages": f"STAGES = {value}", "raster_group": f"RASTER = {value}",
                     "z_chunk": f"Z_CHUNK = {value}", "consumer": "PINGPONG = True" if value == "pingpong" else
-                    "PINGPONG = False"}[field]
+                    "PINGPONG = False", "epi_n": f"EPI_N = {value}", "epi_stages": f"EPI_STAGES = {value}"}[field]
             assert want in text, (cfg, want)
 
 
