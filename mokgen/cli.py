@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-EXIT_ERROR = 2
+from .cliargs import EXIT_ERROR, Parser, positive_int
 
 _ERROR_CLASSES = (
     ("mokgen.arch", "ArchError"),
@@ -404,35 +404,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line ``mokgen: error: ...`` (exit 2) like every other error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        cmd = self.prog if self.prog != "mokgen" else "mokgen"
-        _err(f"mokgen: error: {message} (see {cmd} --help)")
-        raise SystemExit(EXIT_ERROR)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (parallel compiles), got {text!r}")
-    return n
-
-
 def make_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .arch import ARCH_NAMES
 
-    ap = _Parser(
+    ap = Parser(
         prog="mokgen",
         description="Compile Mixture-of-Experts kernels from a spec (preset name or YAML file).",
     )
     ap.add_argument("--version", action="version", version=f"mokgen {__version__}")
-    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     arch_help = f"target arch: {' or '.join(ARCH_NAMES)} (default: $MOKGEN_ARCH, else the visible GPU)"
 
@@ -457,7 +438,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="emit and build the kernels (through the cache)")
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("--arch", help=arch_help)
-    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--jobs", "-j", type=positive_int("parallel compiles"), default=None, metavar="N",
                    help="parallel compiles, >= 1 (default: ninja's)")
     p.add_argument("--force", action="store_true", help="rebuild even if the cache has the entry")
     p.add_argument("--quiet", "-q", action="store_true", help="no build progress")
@@ -465,7 +446,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("cache", help="inspect and move the kernel cache")
-    csub = p.add_subparsers(dest="cache_cmd", metavar="ACTION", parser_class=_Parser)
+    csub = p.add_subparsers(dest="cache_cmd", metavar="ACTION", parser_class=Parser)
     csub.required = True
     c = csub.add_parser("list", help="list the entries (damaged or misfiled ones marked)")
     c.add_argument("--arch")

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import sympy as sp
 
 from . import plan as P
-from . import space as S
+from . import configs as C
 from .spec import Spec, load_spec
 
 __all__ = ["Record", "Fit", "PRIORS", "features", "predict", "fit", "bench_records", "Piece", "PiecewisePlan",
@@ -383,7 +383,7 @@ def piecewise(spec: Spec, arch: str, theta: Mapping[str, float], *, configs: Ite
     space's enumeration) on ``t_range``, breakpoints where the envelope changes hands (sympy), snapped to
     multiples of 128 tokens; a piece whose predicted gain over the neighbouring piece's plan stays below
     ``min_gain`` everywhere in it is merged into that neighbour."""
-    cfgs = list(configs) if configs is not None else list(S.enumerate_configs(spec, arch))
+    cfgs = list(configs) if configs is not None else list(C.enumerate_configs(spec, arch))
     key = lambda c: json.dumps(c, sort_keys=True)  # noqa: E731
     lines = {key(c): (c, ln) for c, ln in _lines(spec, arch, theta, cfgs)}
     at = lambda k, t: lines[k][1][0] * t + lines[k][1][1]  # noqa: E731

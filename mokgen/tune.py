@@ -3,7 +3,7 @@
     mokgen tune SPEC [--tokens T1,T2,...] [--budget MINUTES] [--json FILE] [--top N] [--rounds N] [--arch A]
     mokgen tune --show [SPEC]          mokgen tune --clear [SPEC]
 
-1. candidates: the config space's enumeration (:func:`mokgen.space.enumerate_configs`), plus the solver's
+1. candidates: the config space's enumeration (:func:`mokgen.configs.enumerate_configs`), plus the solver's
    default plan at each T; the cost model (:mod:`mokgen.costmodel`, fitted to the benchmark records and earlier
    tune records) ranks them at each T and keeps the best ``--top`` per T (and every default);
 2. compile the survivors' forward kernels in parallel on CPU workers through the cache (a kernel several
@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import costmodel as C
 from . import plan as P
+from . import configs as CF
 from . import space as S
 from . import tunedb
 from .spec import Spec, load_spec
@@ -98,7 +99,7 @@ def select_candidates(spec: Spec, arch: str, tokens: Sequence[int], theta: Mappi
                       top: int = DEFAULT_TOP) -> tuple[list[Candidate], int]:
     """(the candidates worth compiling, how many configs the space has): the model's best ``top`` at each T,
     plus the solver's default plan at each T."""
-    configs = list(S.enumerate_configs(spec, arch))
+    configs = list(CF.enumerate_configs(spec, arch))
     by_key: dict[str, Candidate] = {}
     for t in tokens:
         d = config_of(P.solve(C.with_tokens(spec, t), arch))
@@ -471,7 +472,7 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
 
     The forward stays at the plan ``mokgen.compile`` uses: the tuning record's piece for each T where this
     spec has a record (``mokgen tune`` run before), else the solver's default. Candidates: that plan, and each
-    backward variant of :func:`mokgen.space.enumerate_backward_configs` (one knob of one backward GEMM changed;
+    backward variant of :func:`mokgen.configs.enumerate_backward_configs` (one knob of one backward GEMM changed;
     valid with the forward at every T); compiled in parallel (the per-kernel object cache compiles the kernels
     a variant shares with the others once); each timed as ``moe_forward`` + ``backward`` at every T in
     interleaved rounds, settled for ``settle_s`` s before each timing; medians. Each backward GEMM's best variant
@@ -516,8 +517,8 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
     # the variants valid with the forward at every T
     variants: list[dict[str, Any]] = []
     for t in tokens:
-        for cfg in S.enumerate_backward_configs(spec, arch, fixed=fwd[t]):
-            if cfg not in variants and all(not S.check_config(spec, arch, {**fwd[u], **cfg}) for u in tokens):
+        for cfg in CF.enumerate_backward_configs(spec, arch, fixed=fwd[t]):
+            if cfg not in variants and all(not CF.check_config(spec, arch, {**fwd[u], **cfg}) for u in tokens):
                 variants.append(cfg)
 
     def make(cfg: Mapping[str, Any]) -> Candidate:
@@ -563,7 +564,7 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
                 composed.update(best.cfg)
         best1 = min(ready, key=lambda c: ratio1[c.label])
         final, phase, n2 = ready, "single", 0
-        if len(composed) >= 2 and all(not S.check_config(spec, arch, {**fwd[t], **composed}) for t in tokens):
+        if len(composed) >= 2 and all(not CF.check_config(spec, arch, {**fwd[t], **composed}) for t in tokens):
             comp = make(composed)
             prog.phase("compiling the composition of the per-kernel winners", 1)
             _compile_all([comp], compiler, max(time.monotonic() + 60.0, t_start + 0.75 * (deadline - t_start)), prog,
@@ -752,28 +753,18 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return v
-
-
 def make_parser() -> argparse.ArgumentParser:
-    from .cli import _Parser
+    from .cliargs import Parser, positive_int
 
-    ap = _Parser(prog="mokgen tune", description="Pick the fastest plan for a spec on this GPU.")
+    ap = Parser(prog="mokgen tune", description="Pick the fastest plan for a spec on this GPU.")
     ap.add_argument("spec", metavar="SPEC", nargs="?", help="preset name or YAML path")
     ap.add_argument("--arch")
     ap.add_argument("--tokens", type=_tokens, default=None, metavar="T1,T2,...",
                     help="token counts to tune at (default: the spec's tokens)")
     ap.add_argument("--budget", type=_positive_float, default=DEFAULT_BUDGET_MIN, metavar="MINUTES",
                     help=f"wall-clock budget (default {DEFAULT_BUDGET_MIN:g})")
-    ap.add_argument("--top", type=_positive_int, default=DEFAULT_TOP, help="candidates per T kept by the model")
-    ap.add_argument("--rounds", type=_positive_int, default=5, help="interleaved timing rounds (at least 3)")
+    ap.add_argument("--top", type=positive_int(), default=DEFAULT_TOP, help="candidates per T kept by the model")
+    ap.add_argument("--rounds", type=positive_int(), default=5, help="interleaved timing rounds (at least 3)")
     ap.add_argument("--json", metavar="FILE", help="write the result record (appended to a JSON list)")
     ap.add_argument("--train", action="store_true",
                     help="tune the backward GEMMs' knobs by timing whole training steps (forward + backward); the "

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from mokgen import plan as P
+from mokgen import configs as C
 from mokgen import space as S
 from mokgen.spec import list_presets, load_spec
 
@@ -36,13 +37,13 @@ def test_every_override_value_outside_the_space_is_refused(key):
     bad = 999 if isinstance(S.legal_values(key)[0], int) else "nonsense"
     with pytest.raises(P.PlanError, match=key):
         P.solve(spec, "sm_90a", **{key: bad})
-    assert S.check_config(spec, "sm_90a", {key: bad})
+    assert C.check_config(spec, "sm_90a", {key: bad})
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_enumerated_candidate_satisfies_the_constraints(name):
     spec = load_spec(name)
-    cfgs = list(S.enumerate_configs(spec, "sm_90a"))
+    cfgs = list(C.enumerate_configs(spec, "sm_90a"))
     assert len(cfgs) >= 50
     assert len({tuple(sorted(c.items())) for c in cfgs}) == len(cfgs)
     a = P.get_arch("sm_90a")
@@ -50,9 +51,9 @@ def test_every_enumerated_candidate_satisfies_the_constraints(name):
                  and P._gemm_problem(spec, a, 1, bn) is None and P._gemm_problem(spec, a, 2, bn) is None]
     assert sorted(c["gemm1_bn"] for c in cfgs if c["schedule"] == "fused") == fused_bns
     for cfg in cfgs:
-        assert S.check_config(spec, "sm_90a", cfg) == []
+        assert C.check_config(spec, "sm_90a", cfg) == []
         p = P.solve(spec, "sm_90a", **cfg)
-        assert S.check_plan(p) == [], (cfg, S.check_plan(p))
+        assert C.check_plan(p) == [], (cfg, C.check_plan(p))
         for key, value in cfg.items():  # the override took effect
             if key == "cluster":
                 assert p.gemm1.cluster == p.gemm2.cluster == value
@@ -62,7 +63,7 @@ def test_every_enumerated_candidate_satisfies_the_constraints(name):
             else:
                 assert p.schedule == value
     # the default plans satisfy them too
-    assert S.check_plan(P.solve(spec, "sm_90a")) == []
+    assert C.check_plan(P.solve(spec, "sm_90a")) == []
 
 
 def test_check_plan_catches_what_breaks_the_constraints():
@@ -70,15 +71,15 @@ def test_check_plan_catches_what_breaks_the_constraints():
     p = P.solve(spec, "sm_90a")
     too_deep = dataclasses.replace(p.gemm1, stages=7, bn=256)
     bad = dataclasses.replace(p, gemm1=too_deep)
-    assert any("shared memory" in m for m in S.check_plan(bad))
+    assert any("shared memory" in m for m in C.check_plan(bad))
     odd = dataclasses.replace(p, gemm1=dataclasses.replace(p.gemm1, a_load="scatter"))
-    assert any("a_load" in m for m in S.check_plan(odd))
+    assert any("a_load" in m for m in C.check_plan(odd))
     hint = dataclasses.replace(p, gemm1=dataclasses.replace(p.gemm1, a_load="gather", a_hint="first"))
-    assert any("a_hint" in m for m in S.check_plan(hint))
+    assert any("a_hint" in m for m in C.check_plan(hint))
     g = load_spec("gpt-oss-120b")  # ffn 2880: bn 256 (128 gate columns) does not divide it
-    assert any("ffn" in m for m in S.check_config(g, "sm_90a", {"gemm1_bn": 256}))
-    assert S.check_config(spec, "sm_90a", {"schedule": "fused", "gemm1_consumer": "pingpong"})
-    assert S.check_config(spec, "sm_90a", {"schedule": "fused", "gemm1_bn": 256, "gemm2_bn": 128})
+    assert any("ffn" in m for m in C.check_config(g, "sm_90a", {"gemm1_bn": 256}))
+    assert C.check_config(spec, "sm_90a", {"schedule": "fused", "gemm1_consumer": "pingpong"})
+    assert C.check_config(spec, "sm_90a", {"schedule": "fused", "gemm1_bn": 256, "gemm2_bn": 128})
 
 
 # ---- the backward GEMMs' knobs (mokgen tune --train) ------------------------------------------------------------
@@ -86,14 +87,14 @@ def test_check_plan_catches_what_breaks_the_constraints():
 def test_every_backward_variant_satisfies_the_constraints(name):
     spec = load_spec(name)
     base = P.solve(spec, "sm_90a")
-    cfgs = list(S.enumerate_backward_configs(spec, "sm_90a"))
+    cfgs = list(C.enumerate_backward_configs(spec, "sm_90a"))
     assert len(cfgs) >= 10 and all(len(c) == 1 and set(c) <= set(S.BACKWARD_SEARCH_AXES) for c in cfgs)
     a = P.get_arch("sm_90a")
     plans = set()
     for cfg in cfgs:
-        assert S.check_config(spec, "sm_90a", cfg) == []
+        assert C.check_config(spec, "sm_90a", cfg) == []
         p = P.solve(spec, "sm_90a", **cfg)
-        assert S.check_plan(p) == [], (cfg, S.check_plan(p))
+        assert C.check_plan(p) == [], (cfg, C.check_plan(p))
         assert (p.gemm1, p.gemm2, p.bm) == (base.gemm1, base.gemm2, base.bm)  # the forward is untouched
         (key, value), = cfg.items()
         kernel, _, field = key.partition("_")
@@ -140,21 +141,21 @@ def test_backward_overrides_are_validated_with_one_line_errors():
             P.solve(spec, "sm_90a", **({key: value} if key != "dgrad1_z_chunk" else {"dgrad1_bn": 64, key: value}))
         text = str(e.value)
         assert text.startswith(f"plan.{key}: ") and msg in text and "\n" not in text, text
-    assert any(m.startswith("dgrad1_bn:") for m in S.check_config(spec, "sm_90a", {"dgrad1_bn": 256}))
-    assert any(m.startswith("dgrad1_z_chunk:") for m in S.check_config(spec, "sm_90a", {"dgrad1_bn": 64,
+    assert any(m.startswith("dgrad1_bn:") for m in C.check_config(spec, "sm_90a", {"dgrad1_bn": 256}))
+    assert any(m.startswith("dgrad1_z_chunk:") for m in C.check_config(spec, "sm_90a", {"dgrad1_bn": 64,
                                                                                       "dgrad1_z_chunk": 32}))
-    assert any(m.startswith("wgrad1_stages:") for m in S.check_config(spec, "sm_90a", {"wgrad1_bn": 256,
+    assert any(m.startswith("wgrad1_stages:") for m in C.check_config(spec, "sm_90a", {"wgrad1_bn": 256,
                                                                                      "wgrad1_stages": 5}))
     # dgrad2 and the wgrads may end on a partial N tile (2880 = 11 x 256 + 64); dgrad1 bn + z chunk together
     p = P.solve(spec, "sm_90a", dgrad2_bn=256, wgrad1_bn=256, dgrad1_bn=64, dgrad1_z_chunk=8)
     assert (p.backward.dgrad2.bn, p.backward.dgrad2.n_tiles, p.backward.wgrad1.bn) == (256, 12, 256)
     assert (p.backward.dgrad1.bn, p.backward.dgrad1.z_chunk, p.backward.dgrad1.n_tiles) == (64, 8, 45)
-    assert S.check_plan(p) == []
+    assert C.check_plan(p) == []
     # check_plan catches a backward plan the templates cannot run
     deep = dataclasses.replace(p.backward, wgrad2=dataclasses.replace(p.backward.wgrad2, bn=256, stages=7))
-    assert any("backward.wgrad2" in m and "shared memory" in m for m in S.check_plan(dataclasses.replace(p, backward=deep)))
+    assert any("backward.wgrad2" in m and "shared memory" in m for m in C.check_plan(dataclasses.replace(p, backward=deep)))
     odd = dataclasses.replace(p.backward, dgrad1=dataclasses.replace(p.backward.dgrad1, bn=256, n_tiles=12))
-    assert any("ffn" in m for m in S.check_plan(dataclasses.replace(p, backward=odd)))
+    assert any("ffn" in m for m in C.check_plan(dataclasses.replace(p, backward=odd)))
     assert P._stages_most(a, p.backward.dgrad1) == P.MAX_STAGES
     # the shipped presets' default plans do not change with the new knobs (defaults = today's choices)
     for name in PRESETS:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mokgen import cli, costmodel as C, driver, plan as P, space as S, tunedb
+from mokgen import cli, configs as CF, costmodel as C, driver, plan as P, tunedb
 from mokgen.spec import list_presets, load_spec
 
 TOOLS = {"nvidia-cutlass-dsl": "4.8.1", "apache-tvm-ffi": "0.1", "torch": "2.13.0", "cuda": "13.0"}
@@ -130,7 +130,7 @@ def test_tune_with_a_fake_timer_picks_the_measured_winners(mokgen_cache: Path):
                     inputs=inputs, verifier=verifier, gpu="FakeGPU", tools=TOOLS, template_hash="t" * 64,
                     records=[], progress=False)
     assert res["candidates"]["compiled"] == len(compiled) >= 3
-    assert res["candidates"]["space"] == len(list(S.enumerate_configs(spec, "sm_90a")))
+    assert res["candidates"]["space"] == len(list(CF.enumerate_configs(spec, "sm_90a")))
     assert res["tuned_ms"][64] == pytest.approx(0.8) and res["tuned_ms"][512] == pytest.approx(7.2)
     assert res["default_ms"][512] == pytest.approx(7.2) and res["tuned_ms"][64] < res["default_ms"][64]
     assert all(v["ok"] and v["rel_err"] < 1e-2 for v in res["verify"].values())
@@ -219,8 +219,8 @@ def test_piecewise_plan_of_every_preset(name, fitted):
     assert pw.pieces[0].lo == 1 and pw.pieces[-1].hi == 0
     assert list(pw.breakpoints) == sorted(set(pw.breakpoints))
     for piece in pw.pieces:
-        assert S.check_config(spec, "sm_90a", piece.overrides) == []
-        assert S.check_plan(P.solve(spec, "sm_90a", **piece.overrides)) == []
+        assert CF.check_config(spec, "sm_90a", piece.overrides) == []
+        assert CF.check_plan(P.solve(spec, "sm_90a", **piece.overrides)) == []
     for t in (512, 1024, 2048, 4096, 8192, 16384):
         assert pw.piece(t).contains(t)
     # every neighbouring pair of pieces is at least MIN_GAIN apart by the model at the later piece's T
@@ -386,7 +386,7 @@ def test_tune_train_picks_the_measured_winner_stores_it_and_compile_applies_it(
     res = tune.tune_train(spec, "sm_90a", [64], budget_min=2, rounds=3, compiler=compiler, timer=timer,
                           inputs=inputs, verifier=verifier, gpu="FakeGPU", tools=tools, template_hash=th,
                           settle_s=0.0, progress=False)
-    variants = list(S.enumerate_backward_configs(spec, "sm_90a", fixed={"gemm2_bn": 128}))
+    variants = list(CF.enumerate_backward_configs(spec, "sm_90a", fixed={"gemm2_bn": 128}))
     assert {"wgrad1_bn": 64} in variants and {"dgrad2_bn": 64} in variants
     assert res["candidates"]["space"] == len(variants) + 1 and len(compiled) == len(variants) + 2
     assert res["chosen_backward"] == {"wgrad1_bn": 64, "dgrad2_bn": 64} and res["phase"] == "composed"
