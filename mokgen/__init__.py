@@ -29,7 +29,7 @@ _LAZY = {
     "Spec": ("mokgen.spec", "Spec"),
     "SpecError": ("mokgen.spec", "SpecError"),
     "list_presets": ("mokgen.spec", "list_presets"),
-    "MoE": ("mokgen.ops", "MoE"),
+    "MoE": ("mokgen.module", "MoE"),
     "CompiledMoE": ("mokgen.ops", "CompiledMoE"),
     "RoutingError": ("mokgen.ops", "RoutingError"),
     "MoEInputError": ("mokgen.ops", "MoEInputError"),

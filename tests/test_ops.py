@@ -14,6 +14,7 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mokgen import ops  # noqa: E402
+from mokgen.module import MoE  # noqa: E402
 from mokgen import plan as plan_mod  # noqa: E402
 from mokgen import spec as spec_mod  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
@@ -506,7 +507,7 @@ def test_torch_compile_training():
     spec = tiny_spec()
     moe, _ = emulated(spec)
     torch.manual_seed(0)
-    layer = ops.MoE(spec, compiled=moe)
+    layer = MoE(spec, compiled=moe)
     x, idx, w, *_ = ref.random_inputs(spec, tokens=16, seed=3)
 
     def step(x, idx, w):
@@ -657,7 +658,7 @@ def test_module(bias):
     spec = tiny_spec(**kw)
     moe, rec = emulated(spec)
     torch.manual_seed(0)
-    layer = ops.MoE(spec, compiled=moe)
+    layer = MoE(spec, compiled=moe)
     G = spec.groups
     assert layer.w1.shape == (G, 128, 64) and layer.w2.shape == (G, 64, 64)
     assert layer.w1.dtype == layer.w2.dtype == torch.bfloat16
@@ -681,8 +682,8 @@ def test_module(bias):
 def test_module_rejects_other_dtypes_and_meta_init():
     spec = tiny_spec()
     with pytest.raises(ValueError, match="only bfloat16"):
-        ops.MoE(spec, dtype=torch.float32, compiled=emulated(spec)[0])
-    layer = ops.MoE(spec, device="meta", compiled=emulated(spec)[0])
+        MoE(spec, dtype=torch.float32, compiled=emulated(spec)[0])
+    layer = MoE(spec, device="meta", compiled=emulated(spec)[0])
     assert layer.w1.device.type == "meta"
 
 
