@@ -349,7 +349,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
             raise cache.CacheError(f"{len(kept)} director{'y' if len(kept) == 1 else 'ies'} not removed from "
                                    f"{where} (see above)")
     elif what == "pack":
-        out = cache.pack(args.out, args.arch)
+        from . import packs
+
+        out = packs.pack(args.out, args.arch)
         import tarfile
 
         with tarfile.open(out) as tf:
@@ -357,7 +359,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
         _out(f"packed {_n(n)} and the CuTe DSL runtime into {out} ({out.stat().st_size / 1e6:.1f} MB)")
         _out(f"on the GPU host: mokgen cache unpack {out.name}")
     elif what == "unpack":
-        res = cache.unpack(args.tar)
+        from . import packs
+
+        res = packs.unpack(args.tar)
         for p in res["installed"]:
             _out(f"installed {p}")
         for p in res["present"]:

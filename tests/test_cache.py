@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mokgen import cache
+from mokgen import cache, packs
 from mokgen.build import Artifacts
 from mokgen.cache import CacheError
 
@@ -368,7 +368,7 @@ def fake_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     p = tmp_path / "rt" / cache.RUNTIME_LIB
     p.parent.mkdir()
     p.write_bytes(b"\x7fELF fake runtime" * 100)
-    monkeypatch.setattr(cache, "_dsl_runtime_for_pack", lambda: p)
+    monkeypatch.setattr(packs, "_dsl_runtime_for_pack", lambda: p)
     return p
 
 
@@ -379,12 +379,12 @@ def test_pack_unpack_round_trip(mokgen_cache: Path, tmp_path: Path, monkeypatch:
     a100 = fake_build(s, "sm_100a", tmp_path / "b")
     cache.store(a90)
     cache.store(a100)
-    tar = cache.pack(tmp_path / "out" / "kernels.tar.xz")
+    tar = packs.pack(tmp_path / "out" / "kernels.tar.xz")
     with tarfile.open(tar) as tf:
         names = tf.getnames()
     assert f"runtime/{cache.RUNTIME_LIB}" in names and "MANIFEST.json" in names
     assert f"sm_90a/{a90.key[:16]}/meta.json" in names and f"sm_100a/{a100.key[:16]}/libmokgen.so" in names
-    only90 = cache.pack(tmp_path / "out" / "sm90.tar.xz", arch="sm_90a")
+    only90 = packs.pack(tmp_path / "out" / "sm90.tar.xz", arch="sm_90a")
     with tarfile.open(only90) as tf:
         assert not any(n.startswith("sm_100a") for n in tf.getnames())
 
@@ -392,7 +392,7 @@ def test_pack_unpack_round_trip(mokgen_cache: Path, tmp_path: Path, monkeypatch:
     other = tmp_path / "gpu-host-cache"
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(other))
     assert cache.list_entries() == []
-    res = cache.unpack(tar)
+    res = packs.unpack(tar)
     assert len(res["installed"]) == 2 and res["present"] == [] and res["runtime_status"] == "installed"
     assert cache.lookup(a90.key, "sm_90a") == other.resolve() / "sm_90a" / a90.key[:16]
     assert cache.lookup(a100.key, "sm_100a") is not None
@@ -401,7 +401,7 @@ def test_pack_unpack_round_trip(mokgen_cache: Path, tmp_path: Path, monkeypatch:
     assert res["runtime"].read_bytes() == fake_runtime.read_bytes()
     assert not [p for p in other.iterdir() if p.name.startswith(".unpack")]
     # again: nothing new
-    res2 = cache.unpack(tar)
+    res2 = packs.unpack(tar)
     assert res2["installed"] == [] and len(res2["present"]) == 2 and res2["runtime_status"] == "present"
 
 
@@ -426,7 +426,7 @@ def test_unpack_refuses_bad_entries(mokgen_cache: Path, tmp_path: Path, monkeypa
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "fresh"))
     # all or nothing: the good entry is not installed either, and nothing is written
     with pytest.raises(CacheError, match=r"refused, nothing installed") as ei:
-        cache.unpack(tar)
+        packs.unpack(tar)
     msg = str(ei.value)
     assert "no MANIFEST.json" in msg and f"sm_90a/{bad.key[:16]}/libmokgen.so does not match" in msg
     assert "says arch sm_100a" in msg
@@ -440,19 +440,19 @@ def test_unpack_rejects_unsafe_and_garbage(mokgen_cache: Path, tmp_path: Path) -
     with tarfile.open(evil, "w:xz") as tf:
         tf.add(payload, arcname="../escape.txt")
     with pytest.raises(CacheError, match="unsafe"):
-        cache.unpack(evil)
+        packs.unpack(evil)
     assert not (mokgen_cache.parent / "escape.txt").exists()
     junk = tmp_path / "junk.tar.xz"
     junk.write_bytes(b"not a tar")
     with pytest.raises(CacheError, match="not a readable"):
-        cache.unpack(junk)
+        packs.unpack(junk)
     with pytest.raises(CacheError, match="no such pack"):
-        cache.unpack(tmp_path / "missing.tar.xz")
+        packs.unpack(tmp_path / "missing.tar.xz")
 
 
 def test_pack_empty_cache_errors(mokgen_cache: Path, fake_runtime: Path, tmp_path: Path) -> None:
     with pytest.raises(CacheError, match="nothing to pack"):
-        cache.pack(tmp_path / "x.tar.xz")
+        packs.pack(tmp_path / "x.tar.xz")
 
 
 def test_find_falls_back_to_content_key_without_compiler(mokgen_cache: Path, tmp_path: Path,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers11 import failing_build, fake_build, make_sources, tree
-from mokgen import cache
+from mokgen import cache, packs
 from mokgen.cache import CacheError, DamagedEntryError
 
 
@@ -145,11 +145,11 @@ def packed(mokgen_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     rt = tmp_path / "rt" / cache.RUNTIME_LIB
     rt.parent.mkdir()
     rt.write_bytes(b"\x7fELF fake runtime" * 100)
-    monkeypatch.setattr(cache, "_dsl_runtime_for_pack", lambda: rt)
+    monkeypatch.setattr(packs, "_dsl_runtime_for_pack", lambda: rt)
     s = make_sources()
     art = fake_build(s, "sm_90a", tmp_path / "a")
     cache.store(art)
-    tar = cache.pack(tmp_path / "good.tar.xz")
+    tar = packs.pack(tmp_path / "good.tar.xz")
     return {"tar": tar, "art": art, "rt": rt, "sources": s}
 
 
@@ -174,7 +174,7 @@ def _fresh_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packed: dict) -
     """Another host's cache with the good pack installed (its runtime in place)."""
     other = tmp_path / "gpu-host"
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(other))
-    res = cache.unpack(packed["tar"])
+    res = packs.unpack(packed["tar"])
     assert len(res["installed"]) == 1 and res["runtime_status"] == "installed"
     assert cache.check_runtime() == ""
     return other
@@ -252,7 +252,7 @@ def test_refused_pack_changes_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
         _rewrite(packed["tar"], bad, edit)
         want = "is not listed in MANIFEST.json"
     with pytest.raises(CacheError, match="refused, nothing installed") as ei:
-        cache.unpack(bad)
+        packs.unpack(bad)
     assert want in str(ei.value)
     assert tree(other) == before  # not one byte changed: the runtime there still works
     assert cache.check_runtime() == ""
@@ -264,7 +264,7 @@ def test_refused_pack_on_a_fresh_host_writes_nothing(tmp_path: Path, monkeypatch
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(fresh))
     with pytest.raises(CacheError, match="refused"):
-        cache.unpack(bad)
+        packs.unpack(bad)
     assert not fresh.exists()
 
 
@@ -301,7 +301,7 @@ def test_runtime_is_versioned_and_a_conflicting_pack_refused(tmp_path: Path, mon
     newer = _rewrite(packed["tar"], tmp_path / "newer.tar.xz", edit)
     before = tree(other)
     with pytest.raises(CacheError, match=r"runtime library is CuTe DSL 9\.9\.9 but 1 cached entry need"):
-        cache.unpack(newer)
+        packs.unpack(newer)
     assert tree(other) == before
 
 
@@ -309,7 +309,7 @@ def test_pack_leaves_out_damaged_entries(mokgen_cache: Path, tmp_path: Path, pac
                                          capsys: pytest.CaptureFixture) -> None:
     bad = cache.store(fake_build(make_sources(template_hash="d" * 16), "sm_90a", tmp_path / "d"))
     _flip(bad / "libmokgen.so")
-    tar = cache.pack(tmp_path / "p.tar.xz")
+    tar = packs.pack(tmp_path / "p.tar.xz")
     assert f"not packing {bad}" in capsys.readouterr().err
     with tarfile.open(tar) as tf:
         assert not any(bad.name in n for n in tf.getnames())
@@ -321,11 +321,11 @@ def test_pack_carries_only_listed_files(mokgen_cache: Path, tmp_path: Path, pack
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     entry = cache.entry_dir(packed["art"].key, "sm_90a")
     (entry / "stray.txt").write_text("not an artifact")
-    tar = cache.pack(tmp_path / "p2.tar.xz")
+    tar = packs.pack(tmp_path / "p2.tar.xz")
     with tarfile.open(tar) as tf:
         assert not any(n.endswith("stray.txt") for n in tf.getnames())
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "other"))
-    assert len(cache.unpack(tar)["installed"]) == 1
+    assert len(packs.unpack(tar)["installed"]) == 1
 
 
 def test_cache_hit_needs_no_write(mokgen_cache: Path, tmp_path: Path) -> None:

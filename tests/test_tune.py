@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mokgen import cli, configs as CF, costmodel as C, driver, plan as P, tunedb
+from mokgen import cli, configs as CF, costmodel as C, driver, packs, plan as P, tunedb
 from mokgen.spec import list_presets, load_spec
 
 TOOLS = {"nvidia-cutlass-dsl": "4.8.1", "apache-tvm-ffi": "0.1", "torch": "2.13.0", "cuda": "13.0"}
@@ -316,20 +316,20 @@ def test_pack_carries_the_tuning_records(mokgen_cache: Path, tmp_path: Path, mon
     rt = tmp_path / "rt" / cache.RUNTIME_LIB
     rt.parent.mkdir()
     rt.write_bytes(b"\x7fELF fake runtime")
-    monkeypatch.setattr(cache, "_dsl_runtime_for_pack", lambda: rt)
+    monkeypatch.setattr(packs, "_dsl_runtime_for_pack", lambda: rt)
     cache.store(fake_build(make_sources(), "sm_90a", tmp_path / "a"))
     rec = _save(load_spec("kimi-k2"))
-    tar = cache.pack(tmp_path / "p.tar.xz")
+    tar = packs.pack(tmp_path / "p.tar.xz")
     rel = f"tuning/sm_90a/{rec.name}"
     with tarfile.open(tar) as tf:
         assert rel in tf.getnames()
     other = tmp_path / "host2"
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(other))
-    res = cache.unpack(tar)
+    res = packs.unpack(tar)
     assert other.resolve() / rel in res["installed"]
     assert (other / rel).read_bytes() == rec.read_bytes()
     assert tunedb.find("sm_90a", "NVIDIA H200", TOOLS, "t" * 64, load_spec("kimi-k2"))[0] is not None
-    assert other.resolve() / rel in cache.unpack(tar)["present"]
+    assert other.resolve() / rel in packs.unpack(tar)["present"]
     # a record altered inside the pack is refused, nothing installed
     bad = tmp_path / "bad.tar.xz"
     with tarfile.open(tar) as src, tarfile.open(bad, "w:xz") as dst:
@@ -341,7 +341,7 @@ def test_pack_carries_the_tuning_records(mokgen_cache: Path, tmp_path: Path, mon
             dst.addfile(m, __import__("io").BytesIO(data) if data is not None else None)
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "host3"))
     with pytest.raises(cache.CacheError, match="refused, nothing installed"):
-        cache.unpack(bad)
+        packs.unpack(bad)
 
 
 # ---- tune --train: the backward knobs, timed as training steps (fakes) -----------------------------------------
