@@ -493,20 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.dry_run:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("bench_backward: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
+    device = BF.pick_device(args.dry_run, "bench_backward")
+    impls = BF.parse_impls(args.impls, IMPLS, "bench_backward")
+    if device is None or impls is None:
         return 2
     out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
-
-    impls = list(IMPLS) if args.impls is None else [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        print(f"bench_backward: --impls: unknown {bad}, choose from {IMPLS}", file=sys.stderr)
-        return 2
     if args.no_mokgen:
         impls = [i for i in impls if i != "mokgen"]
     if device.type == "cpu":

@@ -34,7 +34,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
@@ -581,20 +581,31 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def pick_device(dry_run: bool, tool: str) -> torch.device | None:
+    """The benchmarks' device: the CPU for --dry-run, else the GPU; None (after saying why) without one."""
+    if dry_run:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    print(f"{tool}: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
+    return None
+
+
+def parse_impls(text: str | None, known: Sequence[str], tool: str) -> list[str] | None:
+    """--impls: a comma-separated subset of ``known`` (all when None); None (after saying why) on unknown names."""
+    impls = list(known) if text is None else [s.strip() for s in text.split(",") if s.strip()]
+    bad = [i for i in impls if i not in known]
+    if bad:
+        print(f"{tool}: --impls: unknown {bad}, choose from {tuple(known)}", file=sys.stderr)
+        return None
+    return impls
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.dry_run:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("bench_forward: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
-        return 2
-
-    impls = list(IMPLS) if args.impls is None else [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        print(f"bench_forward: --impls: unknown {bad}, choose from {IMPLS}", file=sys.stderr)
+    device = pick_device(args.dry_run, "bench_forward")
+    impls = parse_impls(args.impls, IMPLS, "bench_forward")
+    if device is None or impls is None:
         return 2
     if args.no_mokgen:
         impls = [i for i in impls if i != "mokgen"]

@@ -338,17 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < 1 or a.warmup_steps < 0 or a.rounds < 1:
         print("bench_model: --steps >= 1, --warmup-steps >= 0, --rounds >= 1", file=sys.stderr)
         return 2
-    if a.dry_run:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("bench_model: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
-        return 2
-    impls = list(IMPLS) if a.impls is None else [s.strip() for s in a.impls.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        print(f"bench_model: --impls: unknown {bad}, choose from {IMPLS}", file=sys.stderr)
+    device = BF.pick_device(a.dry_run, "bench_model")
+    impls = BF.parse_impls(a.impls, IMPLS, "bench_model")
+    if device is None or impls is None:
         return 2
     impls = [i for i in IMPLS if i in impls]   # liger last
     try:
