@@ -734,6 +734,19 @@ class CompiledMoE:
             raise self._err(f"num_ctas must be a positive int, got {num_ctas!r}")
         return num_ctas
 
+    def launch_sequence(self, training: bool = True) -> tuple[str, ...]:
+        """The generated kernels one call launches, in stream order, as profilers see them: a training step
+        (:meth:`forward_train` then :meth:`backward`, the bf16-gradient path) or an inference call. The names are
+        the phases (``gather_dO``, ``combine_dx``, ``gather_x`` are the backward's launches of the gather and
+        combine kernels); the small torch reductions between them are not listed."""
+        if self.fused:
+            return ("routing", "fused")
+        fwd = ("routing",) + (("gather",) if self.gather else ()) + ("gemm1_train" if training else "gemm1",
+                                                                      "gemm2", "combine")
+        if not training:
+            return fwd
+        return fwd + ("gather_dO", "dgrad1", "wgrad2", "dgrad2", "combine_dx", "gather_x", "wgrad1")
+
     def _need_training(self) -> None:
         if not self.trainable:
             why = ("its plan uses the fused schedule (training runs the chain: compile with "

@@ -28,11 +28,6 @@ from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
 
-def phases(moe) -> list[str]:
-    fwd = ["routing"] + (["gather"] if moe.gather else []) + ["gemm1_train", "gemm2", "combine"]
-    return fwd + ["gather_dO", "dgrad1", "wgrad2", "dgrad2", "combine_dx", "gather_x", "wgrad1"]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("items", nargs="+", help="SPEC[@k=v,...]")
@@ -57,7 +52,7 @@ def main(argv=None) -> int:
         step()
         torch.cuda.synchronize()
         cudart.cudaProfilerStop()
-        for ph in phases(moe):
+        for ph in moe.launch_sequence(training=True):
             print(f"label {item} {ph}", flush=True)
         del inp, dy
         torch.cuda.empty_cache()

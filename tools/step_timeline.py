@@ -80,6 +80,30 @@ def timeline(step, warm_s: float, steps: int, marker) -> dict:
                 largest_gaps_us=[(round(g, 1), a, b) for g, a, b in gaps[:8]], kernels_ms=kernels)
 
 
+# FLOPs of each grouped GEMM in units of 2 * rows * H * I (rows = T * (K + S), the routed and shared rows)
+GEMM_UNITS = {"gemm1": 2, "gemm1_train": 2, "gemm2": 1, "dgrad1": 1, "wgrad2": 1, "dgrad2": 2, "wgrad1": 2}
+# each backward GEMM and the forward GEMM of the same FLOPs it is held against (issue 19's "twins")
+TWINS = {"dgrad1": "gemm2", "wgrad2": "gemm2", "wgrad1": "dgrad2"}
+
+
+def label_phases(kernels_ms: list, sequence: tuple[str, ...], flop_unit: float) -> tuple[list, dict]:
+    """The generated kernels of a recorded step (``kernel_cutlass...`` entries, in launch order) named by the
+    runtime's ``launch_sequence``; per GEMM its sustained TFLOP/s; per backward GEMM its rate over its twin's.
+    ([], {}) when the counts differ (another kernel order than the one the runtime says)."""
+    ours = [(n, ms) for n, ms, _ in kernels_ms if n.startswith("kernel_cutlass")]
+    if len(ours) != len(sequence):
+        return [], {}
+    phases = []
+    rate = {}
+    for ph, (_, ms) in zip(sequence, ours):
+        tf = GEMM_UNITS[ph] * flop_unit / (ms * 1e-3) / 1e12 if ph in GEMM_UNITS and ms > 0 else None
+        phases.append((ph, ms, None if tf is None else round(tf, 1)))
+        if tf is not None:
+            rate[ph] = tf
+    twins = {k: round(rate[k] / rate[t], 3) for k, t in TWINS.items() if k in rate and t in rate}
+    return phases, twins
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("items", nargs="+")
@@ -131,15 +155,24 @@ def main(argv=None) -> int:
             rec = dict(spec=item, impl=impl, mode="forward" if a.forward else "train", tokens=T,
                        gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        **timeline(fn, a.warm_s, a.steps, lambda n: n[:60]))
+            if impl == "mokgen":
+                unit = 2.0 * T * (spec.topk + spec.shared_experts) * spec.hidden * spec.ffn
+                rec["phases"], rec["twin_ratio"] = label_phases(rec.get("kernels_ms", []),
+                                                                moe.launch_sequence(training=not a.forward), unit)
             line = json.dumps(rec)
             if out:
                 out.write(line + "\n")
                 out.flush()
             print(f"{item:20s} {impl:17s} wall {rec.get('wall_ms')} ms  busy {rec.get('busy_ms')}  idle "
                   f"{rec.get('idle_ms')}  (warm steps {rec.get('warm_steps')})")
-            for k, ms, cnt in rec.get("kernels_ms", []):
-                if ms >= 0.02:
-                    print(f"    {ms:8.4f} ms  x{cnt}  {k}")
+            if rec.get("phases"):
+                for ph, ms, tf in rec["phases"]:
+                    print(f"    {ms:8.4f} ms  {ph:12s}" + ("" if tf is None else f" {tf:6.1f} TFLOP/s"))
+                print("    backward GEMM / twin:", ", ".join(f"{k} {v:.3f}" for k, v in rec["twin_ratio"].items()))
+            else:
+                for k, ms, cnt in rec.get("kernels_ms", []):
+                    if ms >= 0.02:
+                        print(f"    {ms:8.4f} ms  x{cnt}  {k}")
             print("    largest gaps (us):", rec.get("largest_gaps_us", [])[:5])
     return 0
 
