@@ -323,22 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    device = BF.pick_device(args.dry_run, "bench_grouped")
+    impls = BF.parse_impls(args.impls, IMPLS, "bench_grouped")
+    if device is None or impls is None:
+        return 2
     if args.dry_run:
-        device = torch.device("cpu")
         from mokgen.integrations import grouped as G
 
         G.set_compiler(G.reference_compiler())
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("bench_grouped: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
-        return 2
     out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
-    impls = list(IMPLS) if args.impls is None else [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        print(f"bench_grouped: --impls: unknown {bad}, choose from {IMPLS}", file=sys.stderr)
-        return 2
     ok, why = B.grouped_mm_available(device)
     if not ok:
         for i in ("torch_grouped_mm", "torchtitan_grouped_mm"):

@@ -64,6 +64,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import ops
+from .common import reference_compiler
 from ..spec import Spec, SpecError
 
 __all__ = [
@@ -176,18 +177,6 @@ def set_compiler(fn: Callable[[Spec], Any] | None) -> Callable[[Spec], Any]:
         _COMPILER[0] = fn or _mokgen_compile
         _COMPILED.clear()
     return old
-
-
-def reference_compiler(bm: int = 16) -> Callable[[Spec], Any]:
-    """A factory of CPU ``CompiledMoE`` objects running mokgen's launch sequence with the reference kernels of
-    :mod:`mokgen.reference` (training included), routing tile ``bm``: for tests on machines without a GPU."""
-    from .. import reference
-
-    def make(spec: Spec) -> Any:
-        return ops.CompiledMoE(spec, bm, functions=reference.reference_kernels(spec, bm, training=True),
-                               allow_cpu=True)
-
-    return make
 
 
 def compiled_for(spec: Spec) -> Any:

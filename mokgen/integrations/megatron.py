@@ -67,6 +67,7 @@ from typing import Any, Iterator
 import torch
 
 from . import grouped
+from .common import restore_forward
 
 __all__ = ["UnsupportedExperts", "ExpertsLayout", "layout_of", "mokgen_weights", "experts_forward", "apply",
            "unapply", "experts_modules", "EXPERTS_CLASSES"]
@@ -283,10 +284,4 @@ def apply(model: torch.nn.Module) -> list[str]:
 
 def unapply(model: torch.nn.Module) -> list[str]:
     """Undo :func:`apply`. Returns the names of the modules restored."""
-    names = []
-    for name, mod in experts_modules(model):
-        fwd = mod.__dict__.get("forward")
-        if isinstance(fwd, types.MethodType) and fwd.__func__ is _patched_forward:
-            del mod.__dict__["forward"]
-            names.append(name)
-    return names
+    return restore_forward(experts_modules(model), _patched_forward)

@@ -89,6 +89,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from .. import ops
+from .common import reference_compiler, restore_forward
 from ..spec import Spec, SpecError
 
 __all__ = [
@@ -467,18 +468,6 @@ def set_compiler(fn: Callable[[Spec], Any] | None) -> Callable[[Spec], Any]:
     return old
 
 
-def reference_compiler(bm: int = 16) -> Callable[[Spec], Any]:
-    """A factory of CPU ``CompiledMoE`` objects: mokgen's launch sequence with the reference kernels of
-    :mod:`mokgen.reference` (training included), routing tile ``bm``. For tests on machines without a GPU."""
-    from .. import reference
-
-    def make(spec: Spec) -> Any:
-        return ops.CompiledMoE(spec, bm, functions=reference.reference_kernels(spec, bm, training=True),
-                               allow_cpu=True)
-
-    return make
-
-
 def compiled_for(spec: Spec) -> Any:
     """The ``CompiledMoE`` of ``spec`` (built or loaded through mokgen's cache once per process)."""
     moe = _COMPILED.get(spec)
@@ -621,13 +610,7 @@ def apply(model: torch.nn.Module, *, tokens: int | None = None) -> list[str]:
 
 def unapply(model: torch.nn.Module) -> list[str]:
     """Undo :func:`apply` (the relaid storage stays; it computes the same). Returns the modules' names."""
-    names = []
-    for name, mod in experts_modules(model):
-        fwd = mod.__dict__.get("forward")
-        if isinstance(fwd, types.MethodType) and fwd.__func__ is _registered_forward:
-            del mod.__dict__["forward"]
-            names.append(name)
-    return names
+    return restore_forward(experts_modules(model), _registered_forward)
 
 
 register()
