@@ -1,8 +1,9 @@
-"""What the framework bindings share: the CPU stand-in for compiled kernels (tests on machines without a GPU)
-and undoing a forward patch."""
+"""What the framework bindings share: their compiled kernels per spec (made once, by a factory tests can swap),
+the CPU stand-in for compiled kernels (tests on machines without a GPU), and undoing a forward patch."""
 
 from __future__ import annotations
 
+import threading
 import types
 from typing import Any, Callable, Iterable
 
@@ -10,6 +11,41 @@ import torch
 
 from .. import ops
 from ..spec import Spec
+
+
+class CompiledSpecs:
+    """A binding's compiled kernels: spec -> ``CompiledMoE``, each made once per process by a factory (the
+    binding's default, or one set by :meth:`set_factory`, e.g. :func:`reference_compiler`). :meth:`drop` forgets
+    them (new options mean other specs or plans); ``epoch`` counts the drops, for callers that cache state derived
+    from these objects."""
+
+    def __init__(self, default: Callable[[Spec], Any]):
+        self.lock = threading.RLock()
+        self.objects: dict[Spec, Any] = {}
+        self.epoch = 0
+        self._default = self._factory = default
+
+    def get(self, spec: Spec) -> Any:
+        moe = self.objects.get(spec)
+        if moe is None:
+            with self.lock:
+                moe = self.objects.get(spec)
+                if moe is None:
+                    moe = self.objects[spec] = self._factory(spec)
+        return moe
+
+    def set_factory(self, fn: Callable[[Spec], Any] | None) -> Callable[[Spec], Any]:
+        """Make objects with ``fn`` from now on (None: the default); returns the previous factory and drops the
+        objects it made."""
+        with self.lock:
+            old, self._factory = self._factory, fn or self._default
+            self.drop()
+        return old
+
+    def drop(self) -> None:
+        with self.lock:
+            self.objects.clear()
+            self.epoch += 1
 
 
 def reference_compiler(bm: int = 16) -> Callable[[Spec], Any]:

@@ -56,7 +56,6 @@ Framework adapters built on this op: :mod:`mokgen.integrations.torchtitan`, :mod
 from __future__ import annotations
 
 import dataclasses
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -64,7 +63,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import ops
-from .common import reference_compiler
+from .common import CompiledSpecs, reference_compiler
 from ..spec import Spec, SpecError
 
 __all__ = [
@@ -100,8 +99,6 @@ class Options:
 
 
 _OPTIONS = Options()
-_LOCK = threading.RLock()
-_COMPILED: dict[Spec, Any] = {}
 _WARNED: set[str] = set()
 
 
@@ -123,9 +120,9 @@ def configure(*, tokens: int | None = None, overrides: Mapping[str, Any] | None 
         new.tokens = tokens
     if overrides is not None:
         new.overrides = dict(overrides) or None
-    with _LOCK:
+    with _KERNELS.lock:
         if (new.tokens, new.overrides) != (old.tokens, old.overrides):
-            _COMPILED.clear()
+            _KERNELS.drop()
         _OPTIONS = new
     return old
 
@@ -166,28 +163,19 @@ def _mokgen_compile(spec: Spec) -> Any:
     return _compile(spec, overrides=_OPTIONS.overrides)
 
 
-_COMPILER: list[Callable[[Spec], Any]] = [_mokgen_compile]
+_KERNELS = CompiledSpecs(_mokgen_compile)
+_COMPILED = _KERNELS.objects   # spec -> CompiledMoE of this binding (read by check_errors and the GPU tests)
 
 
 def set_compiler(fn: Callable[[Spec], Any] | None) -> Callable[[Spec], Any]:
     """Set the factory that turns a spec into a ``CompiledMoE`` (None: ``mokgen.compile``); returns the previous
     one and forgets the objects the previous one made."""
-    with _LOCK:
-        old = _COMPILER[0]
-        _COMPILER[0] = fn or _mokgen_compile
-        _COMPILED.clear()
-    return old
+    return _KERNELS.set_factory(fn)
 
 
 def compiled_for(spec: Spec) -> Any:
     """The ``CompiledMoE`` of ``spec`` (built or loaded through mokgen's cache once per process)."""
-    moe = _COMPILED.get(spec)
-    if moe is None:
-        with _LOCK:
-            moe = _COMPILED.get(spec)
-            if moe is None:
-                moe = _COMPILED[spec] = _COMPILER[0](spec)
-    return moe
+    return _KERNELS.get(spec)
 
 
 def check_errors() -> None:

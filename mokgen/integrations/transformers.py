@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -89,7 +88,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from .. import ops
-from .common import reference_compiler, restore_forward
+from .common import CompiledSpecs, reference_compiler, restore_forward
 from ..spec import Spec, SpecError
 
 __all__ = [
@@ -151,8 +150,6 @@ class Options:
 
 
 _OPTIONS = Options()
-_LOCK = threading.RLock()
-_COMPILED: dict[Spec, Any] = {}
 _WARNED: set[str] = set()
 
 
@@ -178,10 +175,9 @@ def configure(*, tokens: int | None = None, masked: bool | None = None, relayout
         new.relayout = bool(relayout)
     if overrides is not None:
         new.overrides = dict(overrides) or None   # {}: back to the solver's (or the tuning record's) plan
-    with _LOCK:
+    with _KERNELS.lock:
         if (new.tokens, new.overrides) != (old.tokens, old.overrides):
-            _COMPILED.clear()
-            _STATE_EPOCH[0] += 1
+            _KERNELS.drop()
         _OPTIONS = new
     return old
 
@@ -453,30 +449,19 @@ def _mokgen_compile(spec: Spec) -> Any:
     return _compile(spec, overrides=_OPTIONS.overrides)
 
 
-_COMPILER: list[Callable[[Spec], Any]] = [_mokgen_compile]
-_STATE_EPOCH = [0]   # bumped when specs or compiled objects must be derived again
+_KERNELS = CompiledSpecs(_mokgen_compile)
+_COMPILED = _KERNELS.objects   # spec -> CompiledMoE of this binding (read by check_errors and the GPU tests)
 
 
 def set_compiler(fn: Callable[[Spec], Any] | None) -> Callable[[Spec], Any]:
     """Set the factory that turns a spec into a ``CompiledMoE`` (None: ``mokgen.compile``); returns the previous
-    one. Clears the compiled objects of the previous factory."""
-    with _LOCK:
-        old = _COMPILER[0]
-        _COMPILER[0] = fn or _mokgen_compile
-        _COMPILED.clear()
-        _STATE_EPOCH[0] += 1
-    return old
+    one and forgets the objects the previous one made."""
+    return _KERNELS.set_factory(fn)
 
 
 def compiled_for(spec: Spec) -> Any:
     """The ``CompiledMoE`` of ``spec`` (built or loaded through mokgen's cache once per process)."""
-    moe = _COMPILED.get(spec)
-    if moe is None:
-        with _LOCK:
-            moe = _COMPILED.get(spec)
-            if moe is None:
-                moe = _COMPILED[spec] = _COMPILER[0](spec)
-    return moe
+    return _KERNELS.get(spec)
 
 
 def check_errors() -> None:
@@ -504,8 +489,8 @@ _ATTR = "_mokgen_hf_state"
 
 def _state(module: torch.nn.Module) -> _State:
     st = module.__dict__.get(_ATTR)
-    if st is None or st.epoch != _STATE_EPOCH[0]:
-        st = _State(_STATE_EPOCH[0], layout_of(module))
+    if st is None or st.epoch != _KERNELS.epoch:
+        st = _State(_KERNELS.epoch, layout_of(module))
         module.__dict__[_ATTR] = st
     return st
 
