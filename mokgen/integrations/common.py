@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import types
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -14,16 +14,24 @@ from ..spec import Spec
 
 
 class CompiledSpecs:
-    """A binding's compiled kernels: spec -> ``CompiledMoE``, each made once per process by a factory (the
-    binding's default, or one set by :meth:`set_factory`, e.g. :func:`reference_compiler`). :meth:`drop` forgets
+    """A binding's compiled kernels: spec -> ``CompiledMoE``, each made once per process by a factory (by default
+    ``mokgen.compile`` with the binding's plan overrides, or one set by :meth:`set_factory`, e.g.
+    :func:`reference_compiler`). :meth:`drop` forgets
     them (new options mean other specs or plans); ``epoch`` counts the drops, for callers that cache state derived
     from these objects."""
 
-    def __init__(self, default: Callable[[Spec], Any]):
+    def __init__(self, overrides: Callable[[], Mapping[str, Any] | None]):
+        """``overrides``: the binding's current plan overrides, read by the default factory (``mokgen.compile``)."""
         self.lock = threading.RLock()
         self.objects: dict[Spec, Any] = {}
         self.epoch = 0
-        self._default = self._factory = default
+        self._overrides = overrides
+        self._factory = self._default
+
+    def _default(self, spec: Spec) -> Any:
+        from ..driver import compile as _compile   # the compiler side, on first use (ops never imports it)
+
+        return _compile(spec, overrides=self._overrides())
 
     def get(self, spec: Spec) -> Any:
         moe = self.objects.get(spec)

@@ -157,13 +157,7 @@ def grouped_spec(hidden: int, ffn: int, experts: int, *, activation: str = "swig
                 gate_up_layout=gate_up_layout, bias=bias)
 
 
-def _mokgen_compile(spec: Spec) -> Any:
-    from ..driver import compile as _compile   # the compiler side, on first use (ops never imports it)
-
-    return _compile(spec, overrides=_OPTIONS.overrides)
-
-
-_KERNELS = CompiledSpecs(_mokgen_compile)
+_KERNELS = CompiledSpecs(lambda: _OPTIONS.overrides)
 _COMPILED = _KERNELS.objects   # spec -> CompiledMoE of this binding (read by check_errors and the GPU tests)
 
 

@@ -443,13 +443,7 @@ def mokgen_weights(module: torch.nn.Module, layout: ExpertsLayout | None = None,
 # compiled kernels
 
 
-def _mokgen_compile(spec: Spec) -> Any:
-    from ..driver import compile as _compile   # the compiler side, on first use
-
-    return _compile(spec, overrides=_OPTIONS.overrides)
-
-
-_KERNELS = CompiledSpecs(_mokgen_compile)
+_KERNELS = CompiledSpecs(lambda: _OPTIONS.overrides)
 _COMPILED = _KERNELS.objects   # spec -> CompiledMoE of this binding (read by check_errors and the GPU tests)
 
 
