@@ -62,6 +62,9 @@ __all__ = [
     "Fp8Layout",
     "fp8_layout",
     "torch_fp8_grouped_mm",
+    "group_colwise_quantize",
+    "fp8_grouped_mm_train",
+    "torch_fp8_grouped_mm_train",
     "Fp8GemmOnlyInputs",
     "prepare_fp8_gemm_only",
     "torch_fp8_gemm_only",
@@ -415,9 +418,21 @@ def dequantize_rowwise(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = to
 
 def scaled_grouped_mm_emulated(a, b_t, scale_a, scale_b, offs, out_dtype: torch.dtype | None = torch.bfloat16,
                                compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """What ``torch._scaled_grouped_mm`` (2D x 3D) computes, by dequantization and a matmul per group in
+    """What ``torch._scaled_grouped_mm`` (2D x 3D, and 2D x 2D: scales ``[G*N]`` / ``[G*K]``) computes, by dequantization and a matmul per group in
     ``compute_dtype`` (reads ``offs`` on the host: CPU tests and dry runs). Rows past ``offs[-1]`` are zeros.
     ``out_dtype=None`` keeps ``compute_dtype``."""
+    if a.dim() == 2 and b_t.dim() == 2:  # 2D x 2D (a wgrad): out[g] = a[:, rows of g] @ b_t[rows of g]
+        N, K = a.shape[0], b_t.shape[1]
+        G = offs.shape[0]
+        out = torch.zeros(G, N, K, dtype=compute_dtype, device=a.device)
+        sa, sb = scale_a.reshape(G, N).to(compute_dtype), scale_b.reshape(G, K).to(compute_dtype)
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                out[g] = (a[:, start:end].to(compute_dtype) * sa[g][:, None]) @ (
+                    b_t[start:end].to(compute_dtype) * sb[g][None, :])
+            start = end
+        return out if out_dtype is None else out.to(out_dtype)
     M, N = a.shape[0], b_t.shape[-1]
     ad = a.to(compute_dtype) * scale_a.reshape(-1).to(compute_dtype)[:, None]
     out = torch.zeros(M, N, dtype=compute_dtype, device=a.device)
@@ -532,6 +547,111 @@ def _fp8_combine(o, b2, lay: Fp8Layout, T: int) -> torch.Tensor:
     y32 = torch.zeros(T, o.shape[1], dtype=torch.float32, device=o.device)
     y32.index_add_(0, lay.tok, yr)
     return y32
+
+
+def group_colwise_quantize(t: torch.Tensor, offs: torch.Tensor, pow2: bool = False):
+    """``t [M, C]`` quantized per (row group, column): the operands of a wgrad, whose reduction dim is the rows
+    of one group. Returns ``(q [M, C] e4m3, scale [G, C] fp32)``; no host sync (``offs[-1] == M`` expected)."""
+    M, C = t.shape
+    G = offs.shape[0]
+    rg = torch.searchsorted(offs.long(), torch.arange(M, device=t.device), right=True).clamp_(max=G - 1)
+    ta = t.detach().abs().to(torch.float32)
+    amax = torch.zeros(G, C, dtype=torch.float32, device=t.device)
+    amax.scatter_reduce_(0, rg[:, None].expand(M, C), ta, reduce="amax", include_self=True)
+    s = torch.clamp_min(amax / E4M3_MAX, 2.0 ** -126)
+    if pow2:
+        s = _pow2_ceil(s)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    q = t.detach().to(torch.float32).div(s.index_select(0, rg)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, s
+
+
+def _fp8_t(q: torch.Tensor) -> torch.Tensor:
+    """A contiguous transpose of a 2-D e4m3 tensor (moved as bytes)."""
+    return q.view(torch.uint8).t().contiguous().view(E4M3)
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """``out [M, N] = a [M, K] @ w[g]^T`` per group (w ``[G, N, K]``), FP8 rowwise in forward and backward.
+
+    forward: a rowwise along K, w rowwise along K; ``_scaled_grouped_mm`` 2D x 3D.
+    dgrad: ``dA = dY W``: dY rowwise along N, w rowwise along N (``quantize_rowwise(w^T)``, [G, K, N]).
+    wgrad ``"fp8"``: ``dW[g] = dY_g^T A_g`` as ``_scaled_grouped_mm`` 2D x 2D (``dY^T [N, M]`` row-major,
+    ``A [M, K]`` column-major, per-group column scales ``[G*N]`` / ``[G*K]``: torchao's recipe); ``"bf16"``:
+    ``torch._grouped_mm(a^T, dY, offs)`` in bf16 (torch's own backward of ``_grouped_mm``)."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs, wgrad, pow2, use_fast_accum, emulate):
+        aq, sa = quantize_rowwise(a, pow2)
+        wq, sw = quantize_rowwise(w, pow2)
+        ctx.save_for_backward(a, w, offs)
+        ctx.cfg = (wgrad, pow2, use_fast_accum, emulate)
+        return _sgmm(aq, wq.transpose(-2, -1), sa, sw, offs, use_fast_accum, emulate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, w, offs = ctx.saved_tensors
+        wgrad, pow2, use_fast_accum, emulate = ctx.cfg
+        dy = dy.contiguous().to(a.dtype)
+        da = dw = None
+        if ctx.needs_input_grad[0]:
+            dq, sd = quantize_rowwise(dy, pow2)
+            wtq, swt = quantize_rowwise(w.transpose(-2, -1), pow2)  # [G, K, N]: rowwise along N
+            da = _sgmm(dq, wtq.transpose(-2, -1), sd, swt, offs, use_fast_accum, emulate)
+        if ctx.needs_input_grad[1]:
+            if wgrad == "fp8":
+                dq, sd = group_colwise_quantize(dy, offs, pow2)  # [M, N], [G, N]
+                aq, sa = group_colwise_quantize(a, offs, pow2)  # [M, K], [G, K]
+                mat_a = _fp8_t(dq)  # [N, M] row-major
+                mat_b = _fp8_t(aq).t()  # [M, K] column-major
+                sa_, sb_ = sd.reshape(-1), sa.reshape(-1)
+                if emulate:
+                    dw = scaled_grouped_mm_emulated(mat_a, mat_b, sa_, sb_, offs)
+                else:
+                    dw = torch._scaled_grouped_mm(mat_a, mat_b, sa_, sb_, offs=offs, out_dtype=torch.bfloat16,
+                                                  use_fast_accum=use_fast_accum)
+            elif emulate:
+                dw = torch.zeros_like(w)
+                start = 0
+                for g, end in enumerate(offs.tolist()):
+                    if end > start:
+                        dw[g] = (dy[start:end].float().t() @ a[start:end].float()).to(w.dtype)
+                    start = end
+            else:
+                dw = torch._grouped_mm(a.t(), dy, offs=offs).transpose(-2, -1)
+            dw = dw.to(w.dtype)
+        return da, dw, None, None, None, None, None
+
+
+def fp8_grouped_mm_train(a, w, offs, *, wgrad: str = "fp8", pow2: bool = False, use_fast_accum: bool = False,
+                         emulate: bool = False) -> torch.Tensor:
+    """Differentiable FP8 grouped GEMM (see :class:`_Fp8GroupedMM`): ``a [M, K]`` bf16 rows (groups padded to
+    16, ``offs[-1] == M``), ``w [G, N, K]`` bf16 master weights; bf16 ``[M, N]``."""
+    if wgrad not in ("fp8", "bf16"):
+        raise ValueError(f"wgrad: 'fp8' or 'bf16', got {wgrad!r}")
+    return _Fp8GroupedMM.apply(a, w, offs, wgrad, pow2, use_fast_accum, emulate)
+
+
+def torch_fp8_grouped_mm_train(x, topk_idx, topk_weight, w1, w2, spec, b1=None, b2=None, *,
+                               wgrad: str = "fp8", align: int = FP8_GROUP_ALIGN, pow2: bool = False,
+                               use_fast_accum: bool = False, emulate: bool = False) -> torch.Tensor:
+    """The training form of :func:`torch_fp8_grouped_mm`: differentiable in x, topk_weight, w1, w2, b1, b2.
+    bf16 rows are gathered into the padded layout and quantized inside :func:`fp8_grouped_mm_train` (it keeps
+    the bf16 operands for the backward, as torchao does); everything else is the same torch code."""
+    T = topk_idx.shape[0]
+    L = _local_experts(spec)
+    lay = fp8_layout(topk_idx, topk_weight, L, int(spec.shared_experts), align)
+    kw = dict(wgrad=wgrad, pow2=pow2, use_fast_accum=use_fast_accum, emulate=emulate)
+    xp = _gather_rows(x, lay.src)
+    h = fp8_grouped_mm_train(xp, w1, lay.offs, **kw)
+    a = _fp8_activation(h, b1, lay, spec, x.dtype)
+    o = fp8_grouped_mm_train(a, w2, lay.offs, **kw)
+    w_r = lay.weight
+    if topk_weight.requires_grad:  # the routing weights of the routed rows, differentiably (shared: 1)
+        perm, _, _ = route(topk_idx, L)
+        w_r = torch.cat([topk_weight.reshape(-1).index_select(0, perm).to(torch.float32), lay.weight[perm.numel():]])
+    lay = lay._replace(weight=w_r)
+    return _fp8_combine(o, b2, lay, T).to(x.dtype)
 
 
 def torch_fp8_grouped_mm(x, topk_idx, topk_weight, w1, w2, spec, b1=None, b2=None, *,
