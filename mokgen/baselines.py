@@ -25,6 +25,17 @@ Baselines (what the benchmark compares mokgen against):
 - :func:`loop_reference`: the same layer in a wide dtype (float32/float64), a stand-in ground truth for when
   ``mokgen.reference`` is not importable.
 
+FP8 peers (section (e); e4m3 with rowwise fp32 scales, the recipe torchao's MoE training uses on Hopper):
+
+- :func:`torch_fp8_grouped_mm`: both GEMMs as ``torch._scaled_grouped_mm`` (2D x 3D, offs), quantization in
+  plain torch, groups padded to 16 rows without a host sync, weights quantized inside the call (a training
+  step) unless ``prequantized=``; ``emulate=True`` swaps the GEMM for dequantize + matmul (CPU).
+  :func:`torch_fp8_grouped_mm_train` is its differentiable form (FP8 dgrad; FP8 2D x 2D or bf16 wgrad).
+- :func:`prepare_fp8_gemm_only` / :func:`torch_fp8_gemm_only`: the two scaled grouped GEMMs alone.
+- :func:`prepare_dense_fp8` / :func:`dense_fp8_mm`: the dense FP8 ceiling, ``torch._scaled_mm`` rowwise.
+- :func:`torchao_fp8_grouped_mm`: torchao 0.18's ``_to_fp8_rowwise_then_scaled_grouped_mm`` for both GEMMs
+  (lazy import; :func:`torchao_fp8_available`).
+
 A ``spec`` argument is anything with the :class:`mokgen.spec.Spec` attributes used here (``ffn``,
 ``shared_experts``, ``activation``, ``swiglu_limit``, ``gate_up_layout`` and ``local_experts``, or
 ``experts`` and ``ep``).
