@@ -133,17 +133,20 @@ def _gemm_params(plan: Plan, which: int, save_z: bool = False) -> dict[str, Any]
     spec = plan.spec
     g = plan.gemm1 if which == 1 else plan.gemm2
     H, I = spec.hidden, spec.ffn
+    fp8 = spec.dtype == "fp8"
+    sfx = "_fp8" if fp8 else ""
     if which == 1:
         if g.bn % 2:
             raise EmitError(f"plan.gemm1.bn: must be even (gate and up halves), got {g.bn}")
         n_stride, p_stride = _w1_strides(spec)
         return _grouped_params(
-            plan, g, "gemm1_train" if save_z else "gemm1", bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
+            plan, g, ("gemm1_train" if save_z else "gemm1") + sfx, bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
             n_stride=n_stride, k_stride=1, p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu",
-            save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows")
+            save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows",
+            fp8=fp8)
     return _grouped_params(
-        plan, g, "gemm2", bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
-        g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias))
+        plan, g, "gemm2" + sfx, bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
+        g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias), fp8=fp8)
 
 
 def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
@@ -167,12 +170,12 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
 def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_dim: int, parts: int,
                     n_stride: int, k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str,
                     save_z: bool = False, has_bias: bool = False, a_gather: bool = False,
-                    a_rows: bool = False) -> dict[str, Any]:
+                    a_rows: bool = False, fp8: bool = False) -> dict[str, Any]:
     """The render context of templates/sm90/grouped_gemm.py.j2 for kernel `kernel` of GEMM plan `g`: the
     problem's strides from the spec, every tile and pipeline choice from the plan."""
     spec = plan.spec
     producer_regs, consumer_regs = g.regs
-    what = f"plan.{'backward.' if kernel.startswith('dgrad') else ''}{kernel.replace('_train', '')}"
+    what = f"plan.{'backward.' if kernel.startswith('dgrad') else ''}{kernel.replace('_train', '').replace('_fp8', '')}"
     _check_smem(plan, g.smem_bytes(parts * bn), f"{what}: {g.stages} stages")
     if k_dim % g.bk:
         raise EmitError(f"{what}.bk: {g.bk} does not divide K={k_dim}")
@@ -180,7 +183,11 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
     activation, act_limit = _activation(spec)
     z_n, z_p = (s // spec.hidden for s in _w1_strides(spec))
+    fp8_params = _fp8_params(what, g, bn=bn, n_out=n_out, k_dim=k_dim, parts=parts, n_stride=n_stride,
+                             k_stride=k_stride, p_stride=p_stride, a_gather=a_gather) if fp8 else {}
     return dict(
+        **fp8_params,
+        fp8=fp8,
         **_table(kernel),
         n_out=n_out,
         k_dim=k_dim,
@@ -221,6 +228,26 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         a_policy=L2_HINTS[g.a_hint] if not (a_gather or a_rows) else None,
         a_hint_name=g.a_hint,
     )
+
+
+def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: int, n_stride: int, k_stride: int,
+                p_stride: int, a_gather: bool) -> dict[str, Any]:
+    """The FP8 form's constants: where a tile's W rows fall in the 128 x 128 scale blocks (sb_n, sb_p: W rows
+    per output column and per part), checked so that each part of a tile reads one scale block per K block."""
+    if g.bk != 128 or k_dim % 128:
+        raise EmitError(f"{what}.bk: FP8 K blocks are 128 wide (one scale per stage), got bk {g.bk}, K {k_dim}")
+    if k_stride != 1:
+        raise EmitError(f"{what}: FP8 wgmma reads K-major operands only (W needs a transposed copy)")
+    if g.consumer != "cooperative" or a_gather or g.cluster != 1:
+        raise EmitError(f"{what}: the FP8 form runs cooperative consumers, TMA-loaded A, cluster 1 "
+                        f"(got {g.consumer}, a_load {g.a_load}, cluster {g.cluster})")
+    sb_n, sb_p = n_stride // k_dim, p_stride // k_dim
+    span = bn * sb_n
+    if n_stride % k_dim or p_stride % k_dim or 128 % span or not (sb_p % 128 == 0 or sb_p < sb_n):
+        raise EmitError(f"{what}.bn: a tile's {bn} columns of each part must lie in one 128-row scale block of W "
+                        f"({sb_n} W rows per column, parts {sb_p} rows apart)")
+    w_rows = parts * n_out
+    return dict(sb_n=sb_n, sb_p=sb_p, sb_rows=-(-w_rows // 128))
 
 
 # the fused kernel's bounded waits (fused.py.j2 wait_count) and combine granularity; its sync workspace layout

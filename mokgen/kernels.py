@@ -22,13 +22,13 @@ from typing import Any, Callable, Mapping
 __all__ = ["Arg", "ARGS", "SYMBOLS", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
-CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32"}
+CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32", "u8": "cutlass.Uint8"}
 
 
 @dataclass(frozen=True)
 class Arg:
     name: str
-    dtype: str                  # "bf16" | "fp32" | "int32" tensors; "scalar" an Int32 argument
+    dtype: str                  # "bf16" | "fp32" | "int32" | "u8" (e4m3 bytes) tensors; "scalar" an Int32 argument
     shape: tuple[str, ...] = ()  # expressions (see the module docstring); () for a scalar
     doc: str = ""
     written: bool = False       # the kernel writes it (outputs, workspaces)
@@ -60,6 +60,17 @@ _BIAS = _t("bias", "fp32", "BIAS_ROWS", "BIAS_COLS", doc="[GROUPS, PARTS * N_OUT
 
 def _grouped(w: Arg, row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]:
     return (_t("a", "bf16", "a_rows", "K_DIM", doc=a_doc), w, _BIAS, row, _TILE_GROUP, _META, out, *extra, _NUM_CTAS)
+
+
+def _grouped_fp8(row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]:
+    """An FP8 forward GEMM: e4m3 operands (their bytes) and their blockwise fp32 scales."""
+    return (_t("a", "u8", "a_rows", "K_DIM", doc=a_doc + ", e4m3 bytes"),
+            _t("w", "u8", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="e4m3 weights (bytes), K-major, layout as _W_K"),
+            _BIAS, row, _TILE_GROUP, _META,
+            _t("sa", "fp32", "a_rows", "SCALE_K", doc="[a_rows, K / 128] scale of each 1 x 128 block of a"),
+            _t("sb", "fp32", "GROUPS", "SB_ROWS", "SCALE_K", doc="[GROUPS, W rows / 128, K / 128] scale of each "
+               "128 x 128 block of w"),
+            out, *extra, _NUM_CTAS)
 
 
 _W_K = _t("w", "bf16", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="weights, K-major (layout from the strides above)")
@@ -112,6 +123,13 @@ ARGS: dict[str, tuple[Arg, ...]] = {
                             a_doc="x [T, H] (rows gathered by row_src) or gathered rows xg [rows, H]"),
     "gemm2": _grouped(_W_K, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                       a_doc="h [rows, FFN]"),
+    "gemm1_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                              a_doc="x [T, H] (rows gathered by row_src)"),
+    "gemm1_train_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                                    _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+                                    a_doc="x [T, H] (rows gathered by row_src)"),
+    "gemm2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
+                              a_doc="h [rows, FFN]"),
     "dgrad1": _grouped(
         _W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
         _Z,
@@ -155,7 +173,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "gather": {"tokens": None, "rows": "BM"},
     "combine": {"tokens": None, "rows": None},
     "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
-    **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2")},
+    **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
+                                  "gemm1_train_fp8", "gemm2_fp8")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
 }
 

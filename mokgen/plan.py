@@ -234,6 +234,7 @@ class GemmPlan:
     # dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (at most the bn / 4 pairs a
     # thread holds; more in flight hide more latency, each costs 2 registers)
     z_chunk: int = Z_CHUNK
+    elem_bytes: int = ELEM_BYTES  # bytes per operand element: 2 (bf16) or 1 (e4m3, FP8 specs: see fp8_gemm)
 
     @property
     def tile_m(self) -> int:
@@ -255,7 +256,7 @@ class GemmPlan:
         """Shared memory of the grouped-GEMM kernel: the stage ring, the epilogue buffers, the barriers."""
         bn = self.bn if parts_bn is None else parts_bn
         epi_sets = 2 if self.consumer == "pingpong" else 1
-        return (self.stages * (self.tile_m + bn) * self.bk * ELEM_BYTES
+        return (self.stages * (self.tile_m + bn) * self.bk * self.elem_bytes
                 + epi_sets * self.tile_m * self.epi_n * ELEM_BYTES * self.epi_stages + BARRIER_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
@@ -635,6 +636,40 @@ def _int_override(key: str, value: Any) -> int:
 
 
 def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
+    """The best plan for `spec` on `arch` (FP8 specs: the BF16 plan's forward GEMMs made FP8 by fp8_gemm; the
+    backward stays BF16 on the master weights)."""
+    if spec.dtype != "fp8":
+        return _solve(spec, arch, **overrides)
+    # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
+    plan = _solve(spec, arch, **{"consumer": "cooperative", **overrides})
+    a = get_arch(arch)
+    g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), fp8_gemm(spec, a, 2, plan.gemm2)
+    notes = plan.notes + ("fp8: e4m3 forward GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's recipe); "
+                          "BF16 backward on the master weights",)
+    return dataclasses.replace(plan, gemm1=g1, gemm2=g2, schedule="chain", notes=notes)
+
+
+# ---- FP8 (e4m3, blockwise scales) ----------------------------------------------------------------------------
+FP8_BK = 128  # one scale block along K per stage (the promotion interval)
+FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per consumer thread at 128 columns
+
+
+def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
+    """The FP8 form of forward GEMM `which`'s plan: K tile 128 (one scale block per stage), tile N 128 (GEMM 1:
+    64 gate + 64 up columns, so a tile's W rows of each part lie in one 128-row scale block), cooperative
+    consumers (the promotion holds a second accumulator), no cluster, as many 1-byte stages as fit, A rows of GEMM
+    1 by one TMA box per token row (the gather of the 1 x 128-quantized x)."""
+    n, k = _gemm_shape(spec, which)
+    fp8 = dataclasses.replace(
+        g, bn=FP8_BN, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
+        a_load="tma_rows" if which == 1 else "tma", n_tiles=-(-n // FP8_BN), k_tiles=k // FP8_BK,
+        epi_n=g.epi_n if (FP8_BN // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N)
+    most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
+        (fp8.tile_m + fp8.bn) * fp8.bk)
+    return dataclasses.replace(fp8, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
+
+
+def _solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     """The best plan for `spec` on `arch`. Overrides force a candidate (for tune): gemm1_bn, gemm2_bn,
     gemm1_stages, gemm2_stages, raster_group / gemm1_raster_group / gemm2_raster_group, gemm1_a_load ("gather" | "tma" | "tma_rows"), schedule,
     cluster / gemm1_cluster / gemm2_cluster, consumer / gemm1_consumer / gemm2_consumer, w_hint / gemm1_w_hint /
