@@ -399,6 +399,61 @@ class _DeviceState:
     dummy: torch.Tensor   # [1, 1] fp32, passed as b1 / b2 when the spec has no bias (never read by the kernels)
 
 
+# ---- FP8 operands (spec dtype "fp8"): pow2-scaled e4m3 in mokgen.fp8's blockwise semantics -------------------
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [R, K] uint8 e4m3 bytes, s [R, K / 128] fp32)``: x quantized per 1 x 128 block with power-of-two scales
+    (:func:`mokgen.fp8.quantize_1x128` with ``pow2=True``, bit for bit), in torch ops on x's device, without the
+    reference's finiteness check (no host sync; a NaN row quantizes to NaN scales, as the kernels' unused rows)."""
+    from . import fp8
+
+    R, K = x.shape
+    xf = x.float().view(R, K // 128, 128)
+    s = fp8._scales(xf.abs().amax(-1), True)
+    q = fp8.to_e4m3(xf / s.unsqueeze(-1)).view(R, K)
+    return q.view(torch.uint8), s
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [G, N, K] uint8, s [G, N / 128, K / 128] fp32)``: 128 x 128 blocks, power-of-two scales
+    (:func:`mokgen.fp8.quantize_128x128` with ``pow2=True``, bit for bit)."""
+    from . import fp8
+
+    G, N, K = w.shape
+    wf = w.float().view(G, N // 128, 128, K // 128, 128)
+    s = fp8._scales(wf.abs().amax(dim=(2, 4)), True)
+    q = fp8.to_e4m3(wf / s[:, :, None, :, None]).view(G, N, K)
+    return q.view(torch.uint8), s
+
+
+class _Fp8Weights:
+    """The e4m3 copies of the BF16 master weights one CompiledMoE has been called with, per weight tensor:
+    re-quantized when the tensor's version counter (bumped by every in-place update, ``optimizer.step()``
+    included), storage or shape changes, so a copy is never stale. Weakly keyed: a dropped weight drops its copy.
+    Inside a CUDA-graph capture nothing is cached: the quantization is captured and reruns on every replay."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple] = {}   # id(w) -> (weakref to w, key, q, s)
+
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import weakref
+
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return quantize_weights(w)
+        key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        hit = self._by_id.get(id(w))
+        if hit is not None and hit[0]() is w and hit[1] == key:
+            return hit[2], hit[3]
+        q, sc = quantize_weights(w.detach())
+        by_id = self._by_id
+
+        def drop(ref, i=id(w)):
+            if i in by_id and by_id[i][0] is ref:
+                del by_id[i]
+
+        by_id[id(w)] = (weakref.ref(w, drop), key, q, sc)
+        return q, sc
+
+
 class CompiledMoE:
     """One rank's MoE layer bound to a built artifact.
 
@@ -450,6 +505,8 @@ class CompiledMoE:
         self._warned_int64 = False
         self.masked = False   # masking mode (masked_view): ids >= local_experts are masked slots, not errors
         self._masked_view: "CompiledMoE | None" = None
+        self.fp8 = self.cfg.dtype == "fp8"
+        self._fp8_weights = _Fp8Weights()
         self._registry_id = next(_IDS)
         _REGISTRY[self._registry_id] = self
 
@@ -705,12 +762,34 @@ class CompiledMoE:
             if self.gather:
                 call(f, GATHER_KERNEL, x=x, row_src=ws.row_src, meta=ws.meta, xg=ws.xg)
                 a = ws.xg
-            call(f, "gemm1", a=a, w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta, out=ws.h,
-                 num_ctas=num_ctas)
-            call(f, "gemm2", a=ws.h, w=w2, bias=b2_, row=ws.row_w, tile_group=ws.tile_group, meta=ws.meta,
-                 out=ws.ys, num_ctas=num_ctas)
+            if self.fp8:
+                self._fp8_gemms(a, w1, w2, b1_, b2_, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.h, ws.ys,
+                                num_ctas)
+            else:
+                call(f, "gemm1", a=a, w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta,
+                     out=ws.h, num_ctas=num_ctas)
+                call(f, "gemm2", a=ws.h, w=w2, bias=b2_, row=ws.row_w, tile_group=ws.tile_group, meta=ws.meta,
+                     out=ws.ys, num_ctas=num_ctas)
             call(f, "combine", ys=ws.ys, slot_pos=ws.slot_pos, y=y)
         return self._after_call(st, ws, topk_idx, check, y)
+
+    def _fp8_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None) -> None:
+        """The FP8 forward GEMMs: x quantized per 1 x 128 (token rows; GEMM 1 gathers them by row_src), the
+        weights' e4m3 copies (:class:`_Fp8Weights`), GEMM 1 -> h (bf16; with ``z``, the training form saving z),
+        h quantized per 1 x 128, GEMM 2 -> ys."""
+        f = self._fns
+        xq, xs = quantize_rows(x)
+        w1q, w1s = self._fp8_weights.get(w1)
+        w2q, w2s = self._fp8_weights.get(w2)
+        if z is None:
+            call(f, "gemm1", table="gemm1_fp8", a=xq, w=w1q, bias=b1, row=row_src, tile_group=tile_group, meta=meta,
+                 sa=xs, sb=w1s, out=h, num_ctas=num_ctas)
+        else:
+            call(f, "gemm1_train", table="gemm1_train_fp8", a=xq, w=w1q, bias=b1, row=row_src,
+                 tile_group=tile_group, meta=meta, sa=xs, sb=w1s, out=h, z=z, num_ctas=num_ctas)
+        hq, hs = quantize_rows(h)
+        call(f, "gemm2", table="gemm2_fp8", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
+             sa=hs, sb=w2s, out=ys, num_ctas=num_ctas)
 
     def _after_call(self, st: "_DeviceState", ws: Workspace, topk_idx: torch.Tensor, check: bool,
                     y: torch.Tensor) -> torch.Tensor:
@@ -795,11 +874,16 @@ class CompiledMoE:
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=a)
             h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)
             dummy = st.dummy
-            call(f, "gemm1_train", a=a, w=w1, bias=b1 if b1 is not None else dummy, row=sv.row_src,
-                 tile_group=sv.tile_group, meta=sv.meta, out=h, z=sv.z, num_ctas=num_ctas)
+            b1_, b2_ = (b1 if b1 is not None else dummy), (b2 if b2 is not None else dummy)
             ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
-            call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=sv.row_w, tile_group=sv.tile_group,
-                 meta=sv.meta, out=ys, num_ctas=num_ctas)
+            if self.fp8:
+                self._fp8_gemms(a, w1, w2, b1_, b2_, sv.row_src, sv.row_w, sv.tile_group, sv.meta, h, ys, num_ctas,
+                                z=sv.z)
+            else:
+                call(f, "gemm1_train", a=a, w=w1, bias=b1_, row=sv.row_src, tile_group=sv.tile_group, meta=sv.meta,
+                     out=h, z=sv.z, num_ctas=num_ctas)
+                call(f, "gemm2", a=h, w=w2, bias=b2_, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=ys,
+                     num_ctas=num_ctas)
             y = out if out is not None else torch.empty((T, c.hidden), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=ys, slot_pos=sv.slot_pos, y=y)
             self._record_errors(st, self._routing_flag(sv.meta, topk_idx))

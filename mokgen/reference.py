@@ -79,6 +79,7 @@ class LayerConfig:
     swiglu_limit: float | None = None
     gate_up_layout: str = "concat"
     bias: bool = False
+    dtype: str = "bf16"   # "fp8": the forward GEMMs read e4m3 operands with blockwise scales (gemm*_fp8 tables)
 
     @property
     def local_experts(self) -> int:
@@ -250,6 +251,46 @@ def forward(x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None, dty
             y = y.index_add(0, t, o * wflat[slots].unsqueeze(1))
         for s in range(S):
             y = y + _expert_forward(xd, E + s, w1, w2, b1, b2, cfg, dtype)
+    return y.to(out_dtype or dtype)
+
+
+def forward_fp8(x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None, dtype=torch.float64,
+                out_dtype=None) -> torch.Tensor:
+    """The FP8 forward's ground truth (spec dtype "fp8"), in ``dtype``: what the e4m3 kernels compute up to their
+    fp32 accumulation order. x is quantized per 1 x 128 and the weights per 128 x 128 (power-of-two scales,
+    :mod:`mokgen.fp8`), the layer runs on the dequantized values, and between the GEMMs h is rounded to bf16 and
+    quantized per 1 x 128 (as the kernels store h and quantize it for GEMM 2). Not differentiable."""
+    from . import fp8
+
+    cfg = layer_config(spec_or_cfg)
+    T, H, G, I, K, E, S = _check_shapes(x, topk_idx, topk_weight, w1, w2, b1, b2, cfg)
+    q, sx = fp8.quantize_1x128(x.float(), pow2=True)
+    xd = fp8.dequantize_1x128(q, sx, out_dtype=dtype)
+    w1d = torch.stack([fp8.dequantize_128x128(*fp8.quantize_128x128(w1[g].float(), pow2=True), out_dtype=dtype)
+                       for g in range(G)])
+    w2d = torch.stack([fp8.dequantize_128x128(*fp8.quantize_128x128(w2[g].float(), pow2=True), out_dtype=dtype)
+                       for g in range(G)])
+
+    def expert(xg, g):
+        z = xg @ w1d[g].t()
+        if b1 is not None:
+            z = z + b1[g].to(dtype)
+        gate, up = _split_gate_up(z, cfg.gate_up_layout)
+        h = _activation(gate, up, cfg).to(torch.bfloat16).float()
+        hd = fp8.dequantize_1x128(*fp8.quantize_1x128(h, pow2=True), out_dtype=dtype)
+        o = hd @ w2d[g].t()
+        if b2 is not None:
+            o = o + b2[g].to(dtype)
+        return o
+
+    wflat = topk_weight.reshape(-1).to(dtype)
+    y = torch.zeros(T, H, dtype=dtype, device=x.device)
+    if T:
+        for e, slots in _routed_groups(topk_idx, E):
+            t = torch.div(slots, K, rounding_mode="floor")
+            y = y.index_add(0, t, expert(xd[t], e) * wflat[slots].unsqueeze(1))
+        for s_ in range(S):
+            y = y + expert(xd, E + s_)
     return y.to(out_dtype or dtype)
 
 
@@ -552,6 +593,36 @@ def ref_gemm2(h, w2, b2, row_w, tile_group, meta, ys, num_ctas, *, cfg: LayerCon
         ys[r0:r1] = (o * row_w[r0:r1].float().unsqueeze(1)).to(ys.dtype)
 
 
+def dequantize_rows(q, s) -> torch.Tensor:
+    """float32 values of e4m3 rows ``q [R, K]`` (their bytes, uint8) with 1 x 128 scales ``s [R, K / 128]``."""
+    v = q.view(torch.float8_e4m3fn).float()
+    return v * s.float().repeat_interleave(128, dim=-1)[..., :v.shape[-1]]
+
+
+def dequantize_weights(q, s) -> torch.Tensor:
+    """float32 values of e4m3 weights ``q [G, N, K]`` (bytes) with 128 x 128 block scales ``s [G, N/128, K/128]``."""
+    v = q.view(torch.float8_e4m3fn).float()
+    e = s.float().repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)
+    return v * e[..., :v.shape[-2], :v.shape[-1]]
+
+
+def ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, cfg: LayerConfig, bm: int,
+                  z=None) -> None:
+    """The FP8 GEMM 1 (table ``gemm1_fp8`` / ``gemm1_train_fp8``): :func:`ref_gemm1` (or, with ``z``,
+    :func:`ref_gemm1_train`) on the dequantized operands, x rows gathered by token."""
+    xd, wd = dequantize_rows(a, sa), dequantize_weights(w, sb)
+    if z is None:
+        ref_gemm1(xd, wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm)
+    else:
+        ref_gemm1_train(xd, wd, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm)
+
+
+def ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, cfg: LayerConfig, bm: int) -> None:
+    """The FP8 GEMM 2 (table ``gemm2_fp8``): :func:`ref_gemm2` on the dequantized h rows and W2."""
+    ref_gemm2(dequantize_rows(a, sa), dequantize_weights(w, sb), bias, row, tile_group, meta, out, num_ctas,
+              cfg=cfg, bm=bm)
+
+
 def ref_combine(ys, slot_pos, y) -> None:
     """y[t] = sum_j ys[slot_pos[t, j]] over j = 0..K+S-1 in that order, fp32 accumulation, slots < 0 skipped."""
     T, J = slot_pos.shape
@@ -650,6 +721,16 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         "routing": routing, "gemm1": gemm1, "gemm2": gemm2,
         "combine": lambda ys, slot_pos, y: ref_combine(ys, slot_pos, y),
     }
+    tables: dict[str, str] = {}
+    if cfg.dtype == "fp8":   # the FP8 forward GEMMs: same kernel names, the gemm*_fp8 argument tables
+        def gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
+            ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
+
+        def gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
+            ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
+
+        impls.update(gemm1=gemm1_fp8, gemm2=gemm2_fp8)
+        tables.update(gemm1="gemm1_fp8", gemm2="gemm2_fp8")
     if gather or training:
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
@@ -663,9 +744,15 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
             ref_dgrad2(a, w, bias, row, tile_group, meta, out, num_ctas, bm=bm)
 
         impls.update(gemm1_train=gemm1_train, dgrad1=dgrad1, dgrad2=dgrad2)
+        if cfg.dtype == "fp8":
+            def gemm1_train_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, num_ctas):
+                ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z)
+
+            impls["gemm1_train"] = gemm1_train_fp8
+            tables["gemm1_train"] = "gemm1_train_fp8"
         for name in ("wgrad1", "wgrad2"):
             for acc in (False, True):
                 impls[name + ("_acc" if acc else "")] = (
                     lambda a, b, group_start, out, num_ctas, _acc=acc:
                     ref_wgrad(a, b, group_start, out, num_ctas, accumulate=_acc))
-    return {name: bind(name, impl) for name, impl in impls.items()}
+    return {name: bind(name, impl, table=tables.get(name)) for name, impl in impls.items()}
