@@ -304,6 +304,8 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
         )
         files[f"{out_name}.py"] = text
 
+    if spec.dtype == "fp8":  # the quantization kernels; the FP8 GEMMs are planned separately
+        files.update(emit_fp8_quant(plan, env=env, thash=thash))
     fused = plan.schedule == "fused"
     render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
            shared=spec.shared_experts, bm=plan.bm, zero_sync=fused, **_table(kernels.table_key("routing", fused)))
@@ -338,6 +340,36 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
                        f"Backward GEMM {name} of {spec.name}: {what} per expert group (varlen K)"
                        + (", added into fp32 main_grad" if acc else ""), **_wgrad_params(plan, name, acc))
     return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
+
+
+# the FP8 quantization kernels: template, title, template parameters (every size is symbolic: nothing from the plan)
+FP8_QUANT = {
+    "quant_rows": ("sm90/quant_rows.py.j2", "FP8 quantization of rows: 1x128 tiles (x, h, dO)", dict(threads=256)),
+    "quant_w": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks", dict(transpose=False)),
+    "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
+                 dict(transpose=True)),
+    "quant_cols": ("sm90/quant_cols.py.j2", "FP8 quantization of columns: 128x1 tiles, transposed out (wgrad)",
+                   dict()),
+}
+
+
+def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: jinja2.Environment | None = None,
+                   thash: str | None = None) -> dict[str, str]:
+    """{file name: source} of the FP8 quantization kernels (``kernels_``: a subset of :data:`FP8_QUANT`, default
+    all) for ``plan``'s spec: templates/sm90/quant_*.py.j2, signatures from the argument table. :func:`emit`
+    includes them when ``plan.spec.dtype == "fp8"``; the FP8 GEMM emit can call this directly. The kernels take
+    every size at run time, so only the header depends on the plan."""
+    env = env or _environment()
+    thash = thash or template_hash()
+    out: dict[str, str] = {}
+    for name in kernels_ or tuple(FP8_QUANT):
+        if name not in FP8_QUANT:
+            raise EmitError(f"emit_fp8_quant: unknown kernel {name!r}; known {list(FP8_QUANT)}")
+        template, title, params = FP8_QUANT[name]
+        out[f"{name}.py"] = env.get_template(template).render(
+            header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name,
+            **params, **_table(name))
+    return out
 
 
 def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:

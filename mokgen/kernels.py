@@ -19,16 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "names", "table_key", "call", "bind"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
-CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32", "u8": "cutlass.Uint8"}
+CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32",
+              "u8": "cutlass.Uint8"}  # u8: e4m3 bit patterns (torch: a float8_e4m3fn tensor's .view(torch.uint8))
 
 
 @dataclass(frozen=True)
 class Arg:
     name: str
-    dtype: str                  # "bf16" | "fp32" | "int32" | "u8" (e4m3 bytes) tensors; "scalar" an Int32 argument
+    dtype: str                  # "bf16" | "fp32" | "int32" | "u8" tensors; "scalar" an Int32 argument
     shape: tuple[str, ...] = ()  # expressions (see the module docstring); () for a scalar
     doc: str = ""
     written: bool = False       # the kernel writes it (outputs, workspaces)
@@ -161,6 +162,34 @@ ARGS: dict[str, tuple[Arg, ...]] = {
         _NUM_CTAS,
     ),
 }
+# the FP8 quantization kernels (dtype fp8, templates/sm90/quant_*.py.j2): every size is symbolic (one compiled
+# kernel serves x, h and dO, or W1 and W2); BLOCK = 128, the blockwise recipe's tile (mokgen/fp8.py)
+_QUANT_W = (
+    _t("w", "bf16", "groups", "n", "k", doc="[G, N, K] bf16 weights (N, K multiples of 128)"),
+    _t("q", "u8", "groups", "n", "k", written=True, doc="[G, N, K] e4m3 bits"),
+    _t("s", "fp32", "groups", "n // BLOCK", "k // BLOCK", written=True, align=4,
+       doc="[G, N/128, K/128] power-of-two block scales"),
+)
+ARGS.update({
+    "quant_rows": (
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (K a multiple of 128)"),
+        _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits"),
+        _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
+           doc="[rows, K/128] power-of-two scale per 1x128 tile"),
+    ),
+    "quant_w": _QUANT_W,
+    "quant_wt": _QUANT_W + (
+        _t("qt", "u8", "groups", "k", "n", written=True, doc="[G, K, N] e4m3 bits of w transposed (qt[g,k,n] = q[g,n,k])"),
+        _t("st", "fp32", "groups", "k // BLOCK", "n // BLOCK", written=True, align=4,
+           doc="[G, K/128, N/128] the block scales transposed"),
+    ),
+    "quant_cols": (
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (rows and K multiples of 128)"),
+        _t("qt", "u8", "cols", "rows", written=True, doc="[K, rows] e4m3 bits of x transposed"),
+        _t("st", "fp32", "cols", "rows // BLOCK", written=True, align=4,
+           doc="[K, rows/128] power-of-two scale per 128x1 tile (column, 128-row block)"),
+    ),
+})
 ARGS["routing_sync"] = ARGS["routing"] + (
     _t("sync", "int32", "nsync", written=True, doc="[SYNC_DONE1 + max_m_tiles] the fused kernel's counters, zeroed"),
 )
@@ -176,7 +205,12 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
                                   "gemm1_train_fp8", "gemm2_fp8")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
+    "quant_rows": {"rows": None, "cols": "BLOCK"},
+    "quant_w": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
+    "quant_wt": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
+    "quant_cols": {"rows": "BLOCK", "cols": "BLOCK"},
 }
+FP8_QUANT_KERNELS = ("quant_rows", "quant_w", "quant_wt", "quant_cols")
 
 
 def names(kernel: str) -> tuple[str, ...]:

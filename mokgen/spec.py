@@ -23,8 +23,12 @@ from .arch import ARCH_NAMES, ARCHS
 __all__ = ["Spec", "SpecError", "load_spec", "list_presets", "KNOWN_ARCHS", "K_BLOCK", "MAX_TOKENS"]
 
 KNOWN_ARCHS = ARCH_NAMES  # mokgen.arch is the one arch table
-DTYPES = ("bf16",)
-RESERVED_DTYPES = ("fp8", "mxfp8")
+DTYPES = ("bf16", "fp8")
+# fp8: the blockwise e4m3 recipe (1x128 activation tiles, 128x128 weight blocks, fp32 scales; mokgen/fp8.py) on
+# Hopper; mxfp8 (e8m0 scales per 32 elements) is Blackwell's block-scaled MMA format, not planned for sm_90a
+RESERVED_DTYPES = ("mxfp8",)
+FP8_BLOCK = 128  # dtype fp8: hidden and ffn must be multiples of the 128-wide quantization blocks
+FP8_ARCHS = ("sm_90a",)
 ACTIVATIONS = ("swiglu", "swiglu_oai")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 OAI_SWIGLU_LIMIT = 7.0
@@ -285,9 +289,15 @@ def _check(spec: Spec) -> None:
     if not 0 <= shared <= MAX_SHARED_EXPERTS:
         raise _fail("shared_experts", f"must be in [0, {MAX_SHARED_EXPERTS}], got {shared}")
 
-    if spec.dtype in RESERVED_DTYPES:
-        raise _fail("dtype", f"{spec.dtype} is not yet supported; allowed: {', '.join(DTYPES)}")
+    if spec.dtype == "mxfp8":
+        raise _fail("dtype", "mxfp8 is the sm_100a (Blackwell) block-scaled format (e8m0 scales per 32 elements), "
+                             f"not supported on the Hopper kernels; allowed: {', '.join(DTYPES)} (fp8: blockwise e4m3)")
     _choice(spec, "dtype", DTYPES)
+    if spec.dtype == "fp8":
+        for field in ("hidden", "ffn"):
+            if getattr(spec, field) % FP8_BLOCK:
+                raise _fail(field, f"must be a multiple of {FP8_BLOCK} with dtype fp8, got {getattr(spec, field)}: "
+                                   f"FP8 blocks are {FP8_BLOCK} wide")
     activation = _choice(spec, "activation", ACTIVATIONS)
     _choice(spec, "gate_up_layout", GATE_UP_LAYOUTS)
     if not isinstance(spec.bias, bool):
@@ -322,6 +332,11 @@ def _check(spec: Spec) -> None:
         if arch in archs[:i]:
             raise _fail(f"archs[{i}]", f"duplicate arch '{arch}'")
     object.__setattr__(spec, "archs", tuple(archs))
+    if spec.dtype == "fp8":
+        for i, arch in enumerate(archs):
+            if arch not in FP8_ARCHS:
+                raise _fail(f"archs[{i}]", f"dtype fp8 (blockwise e4m3, fp32 block scales) targets "
+                                           f"{', '.join(FP8_ARCHS)} (Hopper), got {arch!r}")
     _check_device_bounds(spec)
 
 

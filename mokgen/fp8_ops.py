@@ -1,0 +1,144 @@
+"""The FP8 quantization kernels from torch: their CPU reference steps and launch helpers.
+
+* ``ref_quant_*``: keyword step functions with the kernels' arguments (mokgen/kernels.py ``quant_rows``,
+  ``quant_w``, ``quant_wt``, ``quant_cols``), built on mokgen.fp8's quantizers with ``pow2=True``: the kernels
+  match them bit for bit. :func:`reference_quant_kernels` binds them (``kernels.bind``): a stand-in for a loaded
+  library's functions, on any device.
+* :func:`quantize_rows`, :func:`quantize_w`, :func:`quantize_cols`: allocate the outputs and launch a kernel of
+  ``fns`` (a loaded library's functions, or the reference's) through ``kernels.call``, on the current torch
+  stream. e4m3 values travel as uint8 tensors of bit patterns; ``as_e4m3`` views them as float8_e4m3fn.
+
+Imports torch, mokgen.fp8 and mokgen.kernels only (the runtime side: no compiler, no CuTe DSL).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import fp8
+from .kernels import bind, call
+
+__all__ = ["ref_quant_rows", "ref_quant_w", "ref_quant_wt", "ref_quant_cols", "reference_quant_kernels",
+           "quantize_rows", "quantize_w", "quantize_cols", "as_e4m3"]
+
+BLOCK = fp8.BLOCK
+
+
+def as_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor of e4m3 bit patterns viewed as float8_e4m3fn (no copy)."""
+    return q.view(fp8.E4M3)
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reference steps (the kernels' argument names; outputs written in place)
+
+
+def ref_quant_rows(x, q, s) -> None:
+    """q, s = mokgen.fp8.quantize_1x128(x, pow2=True) (q as e4m3 bits)."""
+    qq, ss = fp8.quantize_1x128(x, pow2=True)
+    q.copy_(_bits(qq))
+    s.copy_(ss)
+
+
+def ref_quant_w(w, q, s) -> None:
+    """q, s = mokgen.fp8.quantize_128x128(w, pow2=True) per group (w [G, N, K])."""
+    qq, ss = fp8.quantize_128x128(w, pow2=True)
+    q.copy_(_bits(qq))
+    s.copy_(ss)
+
+
+def ref_quant_wt(w, q, s, qt, st) -> None:
+    """As :func:`ref_quant_w`, and the transposed copy qt = q.mT, st = s.mT."""
+    ref_quant_w(w, q, s)
+    qt.copy_(q.mT)
+    st.copy_(s.mT)
+
+
+def ref_quant_cols(x, qt, st) -> None:
+    """qt, st = mokgen.fp8.quantize_128x1(x, pow2=True), both transposed ([K, rows], [K, rows / 128])."""
+    qq, ss = fp8.quantize_128x1(x, pow2=True)
+    qt.copy_(_bits(qq).T)
+    st.copy_(ss.T)
+
+
+def reference_quant_kernels() -> dict[str, Callable[..., None]]:
+    """{kernel name: positional step} of the FP8 quantization kernels, in the argument table's order."""
+    return {"quant_rows": bind("quant_rows", ref_quant_rows), "quant_w": bind("quant_w", ref_quant_w),
+            "quant_wt": bind("quant_wt", ref_quant_wt), "quant_cols": bind("quant_cols", ref_quant_cols)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# launch helpers
+
+
+def _stream(t: torch.Tensor):
+    """The tvm-ffi environment stream = the current torch stream of t's device (the kernels launch on it)."""
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    import tvm_ffi
+
+    return tvm_ffi.use_torch_stream(torch.cuda.device(t.device))
+
+
+def _check(fn: str, name: str, t: torch.Tensor, dims: int, mult: Mapping[int, int]) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != dims:
+        raise TypeError(f"{fn}: {name} must be a {dims}-D bfloat16 tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    for d, m in mult.items():
+        if t.shape[d] % m:
+            raise ValueError(f"{fn}: {name}.shape[{d}] must be a multiple of {m}, got {t.shape[d]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be contiguous")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{fn}: {name} must be 16-byte aligned")
+
+
+def quantize_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [rows, K] (K % 128 == 0) -> (q uint8 [rows, K] e4m3 bits, s fp32 [rows, K / 128]) by ``quant_rows``."""
+    _check("quantize_rows", "x", x, 2, {1: BLOCK})
+    R, K = x.shape
+    q = torch.empty((R, K), dtype=torch.uint8, device=x.device)
+    s = torch.empty((R, K // BLOCK), dtype=torch.float32, device=x.device)
+    if R and K:
+        with _stream(x):
+            call(fns, "quant_rows", x=x, q=q, s=s)
+    return q, s
+
+
+def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False):
+    """w bf16 [G, N, K] (N, K % 128 == 0) -> (q uint8 [G, N, K], s fp32 [G, N/128, K/128]) by ``quant_w``; with
+    ``transpose=True`` by ``quant_wt``, and also (qt uint8 [G, K, N], st fp32 [G, K/128, N/128])."""
+    _check("quantize_w", "w", w, 3, {1: BLOCK, 2: BLOCK})
+    G, N, K = w.shape
+    dev = w.device
+    q = torch.empty((G, N, K), dtype=torch.uint8, device=dev)
+    s = torch.empty((G, N // BLOCK, K // BLOCK), dtype=torch.float32, device=dev)
+    if transpose:
+        qt = torch.empty((G, K, N), dtype=torch.uint8, device=dev)
+        st = torch.empty((G, K // BLOCK, N // BLOCK), dtype=torch.float32, device=dev)
+    if G and N and K:
+        with _stream(w):
+            if transpose:
+                call(fns, "quant_wt", w=w, q=q, s=s, qt=qt, st=st)
+            else:
+                call(fns, "quant_w", w=w, q=q, s=s)
+    return (q, s, qt, st) if transpose else (q, s)
+
+
+def quantize_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [rows, K] (rows, K % 128 == 0) -> (qt uint8 [K, rows], st fp32 [K, rows / 128]) by ``quant_cols``
+    (the 128x1 tiles of the wgrad operands, transposed)."""
+    _check("quantize_cols", "x", x, 2, {0: BLOCK, 1: BLOCK})
+    R, K = x.shape
+    qt = torch.empty((K, R), dtype=torch.uint8, device=x.device)
+    st = torch.empty((K, R // BLOCK), dtype=torch.float32, device=x.device)
+    if R and K:
+        with _stream(x):
+            call(fns, "quant_cols", x=x, qt=qt, st=st)
+    return qt, st
