@@ -344,7 +344,10 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
 
 # the FP8 quantization kernels: template, title, template parameters (every size is symbolic: nothing from the plan)
 FP8_QUANT = {
-    "quant_rows": ("sm90/quant_rows.py.j2", "FP8 quantization of rows: 1x128 tiles (x, h, dO)", dict(threads=256)),
+    "quant_rows": ("sm90/quant_rows.py.j2", "FP8 quantization of rows: 1x128 tiles (x, h, dO)",
+                   dict(threads=256, bounded=False)),
+    "quant_rows_used": ("sm90/quant_rows.py.j2", "FP8 quantization of the used rows of the padded row space "
+                        "(meta[0] * BM): 1x128 tiles (h)", dict(threads=256, bounded=True)),
     "quant_w": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks", dict(transpose=False)),
     "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
                  dict(transpose=True)),
@@ -367,7 +370,7 @@ def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: 
             raise EmitError(f"emit_fp8_quant: unknown kernel {name!r}; known {list(FP8_QUANT)}")
         template, title, params = FP8_QUANT[name]
         out[f"{name}.py"] = env.get_template(template).render(
-            header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name,
+            header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name, bm=plan.bm,
             **params, **_table(name))
     return out
 

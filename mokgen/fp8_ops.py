@@ -20,8 +20,8 @@ import torch
 from . import fp8
 from .kernels import bind, call
 
-__all__ = ["ref_quant_rows", "ref_quant_w", "ref_quant_wt", "ref_quant_cols", "reference_quant_kernels",
-           "quantize_rows", "quantize_w", "quantize_cols", "as_e4m3"]
+__all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
+           "reference_quant_kernels", "quantize_rows", "quantize_used_rows", "quantize_w", "quantize_cols", "as_e4m3"]
 
 BLOCK = fp8.BLOCK
 
@@ -67,9 +67,17 @@ def ref_quant_cols(x, qt, st) -> None:
     st.copy_(ss.T)
 
 
-def reference_quant_kernels() -> dict[str, Callable[..., None]]:
-    """{kernel name: positional step} of the FP8 quantization kernels, in the argument table's order."""
-    return {"quant_rows": bind("quant_rows", ref_quant_rows), "quant_w": bind("quant_w", ref_quant_w),
+def ref_quant_rows_used(x, meta, q, s, *, bm: int) -> None:
+    """:func:`ref_quant_rows` on the used rows ``x[:meta[0] * bm]`` (the rest of q, s untouched)."""
+    n = min(int(meta[0]) * bm, x.shape[0])
+    ref_quant_rows(x[:n], q[:n], s[:n])
+
+
+def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
+    """{kernel name: positional step} of the FP8 quantization kernels, in the argument table's order (``bm``: the
+    routing tile that ``quant_rows_used``'s meta[0] counts)."""
+    return {"quant_rows": bind("quant_rows", ref_quant_rows),
+            "quant_rows_used": bind("quant_rows_used", lambda x, meta, q, s: ref_quant_rows_used(x, meta, q, s, bm=bm)), "quant_w": bind("quant_w", ref_quant_w),
             "quant_wt": bind("quant_wt", ref_quant_wt), "quant_cols": bind("quant_cols", ref_quant_cols)}
 
 
@@ -108,6 +116,20 @@ def quantize_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tup
     if R and K:
         with _stream(x):
             call(fns, "quant_rows", x=x, q=q, s=s)
+    return q, s
+
+
+def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, meta: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`quantize_rows` for rows of the padded row space, by ``quant_rows_used``: only the used rows,
+    ``meta[0] * BM`` (read on the device), are read and written; the others of q and s stay uninitialized."""
+    _check("quantize_used_rows", "x", x, 2, {1: BLOCK})
+    R, K = x.shape
+    q = torch.empty((R, K), dtype=torch.uint8, device=x.device)
+    s = torch.empty((R, K // BLOCK), dtype=torch.float32, device=x.device)
+    if R and K:
+        with _stream(x):
+            call(fns, "quant_rows_used", x=x, meta=meta, q=q, s=s)
     return q, s
 
 

@@ -177,6 +177,13 @@ ARGS.update({
         _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
            doc="[rows, K/128] power-of-two scale per 1x128 tile"),
     ),
+    "quant_rows_used": (
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (K a multiple of 128): rows of the padded row space"),
+        _META,
+        _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits (the used rows, meta[0] * BM)"),
+        _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
+           doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)"),
+    ),
     "quant_w": _QUANT_W,
     "quant_wt": _QUANT_W + (
         _t("qt", "u8", "groups", "k", "n", written=True, doc="[G, K, N] e4m3 bits of w transposed (qt[g,k,n] = q[g,n,k])"),
@@ -206,11 +213,12 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
                                   "gemm1_train_fp8", "gemm2_fp8")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
     "quant_rows": {"rows": None, "cols": "BLOCK"},
+    "quant_rows_used": {"rows": None, "cols": "BLOCK"},
     "quant_w": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
     "quant_wt": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
     "quant_cols": {"rows": "BLOCK", "cols": "BLOCK"},
 }
-FP8_QUANT_KERNELS = ("quant_rows", "quant_w", "quant_wt", "quant_cols")
+FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_w", "quant_wt", "quant_cols")
 
 
 def names(kernel: str) -> tuple[str, ...]:

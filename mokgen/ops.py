@@ -119,8 +119,11 @@ def kernels_of(plan: Any) -> tuple[str, ...]:
     """The kernel names a plan's library exports (in launch order)."""
     if is_fused(plan):
         return FUSED_KERNELS
+    fp8 = FP8_KERNELS if is_fp8(plan) else ()
     if has_training(plan):
-        return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + TRAIN_KERNELS
+        return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + fp8 + TRAIN_KERNELS
+    if fp8:
+        return KERNELS + fp8
     return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
 
 
@@ -399,30 +402,13 @@ class _DeviceState:
     dummy: torch.Tensor   # [1, 1] fp32, passed as b1 / b2 when the spec has no bias (never read by the kernels)
 
 
-# ---- FP8 operands (spec dtype "fp8"): pow2-scaled e4m3 in mokgen.fp8's blockwise semantics -------------------
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [R, K] uint8 e4m3 bytes, s [R, K / 128] fp32)``: x quantized per 1 x 128 block with power-of-two scales
-    (:func:`mokgen.fp8.quantize_1x128` with ``pow2=True``, bit for bit), in torch ops on x's device, without the
-    reference's finiteness check (no host sync; a NaN row quantizes to NaN scales, as the kernels' unused rows)."""
-    from . import fp8
-
-    R, K = x.shape
-    xf = x.float().view(R, K // 128, 128)
-    s = fp8._scales(xf.abs().amax(-1), True)
-    q = fp8.to_e4m3(xf / s.unsqueeze(-1)).view(R, K)
-    return q.view(torch.uint8), s
+# ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
+FP8_KERNELS = ("quant_rows", "quant_rows_used", "quant_w")   # what the FP8 forward launches besides its GEMMs (mokgen/fp8_ops.py)
 
 
-def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [G, N, K] uint8, s [G, N / 128, K / 128] fp32)``: 128 x 128 blocks, power-of-two scales
-    (:func:`mokgen.fp8.quantize_128x128` with ``pow2=True``, bit for bit)."""
-    from . import fp8
-
-    G, N, K = w.shape
-    wf = w.float().view(G, N // 128, 128, K // 128, 128)
-    s = fp8._scales(wf.abs().amax(dim=(2, 4)), True)
-    q = fp8.to_e4m3(wf / s[:, :, None, :, None]).view(G, N, K)
-    return q.view(torch.uint8), s
+def is_fp8(plan: Any) -> bool:
+    """Does the plan's spec run the FP8 forward (dtype "fp8")?"""
+    return getattr(getattr(plan, "spec", None), "dtype", "bf16") == "fp8"
 
 
 class _Fp8Weights:
@@ -434,16 +420,18 @@ class _Fp8Weights:
     def __init__(self) -> None:
         self._by_id: dict[int, tuple] = {}   # id(w) -> (weakref to w, key, q, s)
 
-    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         import weakref
 
+        from . import fp8_ops
+
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return quantize_weights(w)
+            return fp8_ops.quantize_w(fns, w)
         key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         hit = self._by_id.get(id(w))
         if hit is not None and hit[0]() is w and hit[1] == key:
             return hit[2], hit[3]
-        q, sc = quantize_weights(w.detach())
+        q, sc = fp8_ops.quantize_w(fns, w.detach())
         by_id = self._by_id
 
         def drop(ref, i=id(w)):
@@ -777,17 +765,19 @@ class CompiledMoE:
         """The FP8 forward GEMMs: x quantized per 1 x 128 (token rows; GEMM 1 gathers them by row_src), the
         weights' e4m3 copies (:class:`_Fp8Weights`), GEMM 1 -> h (bf16; with ``z``, the training form saving z),
         h quantized per 1 x 128, GEMM 2 -> ys."""
+        from . import fp8_ops
+
         f = self._fns
-        xq, xs = quantize_rows(x)
-        w1q, w1s = self._fp8_weights.get(w1)
-        w2q, w2s = self._fp8_weights.get(w2)
+        xq, xs = fp8_ops.quantize_rows(f, x)
+        w1q, w1s = self._fp8_weights.get(f, w1)
+        w2q, w2s = self._fp8_weights.get(f, w2)
         if z is None:
             call(f, "gemm1", table="gemm1_fp8", a=xq, w=w1q, bias=b1, row=row_src, tile_group=tile_group, meta=meta,
                  sa=xs, sb=w1s, out=h, num_ctas=num_ctas)
         else:
             call(f, "gemm1_train", table="gemm1_train_fp8", a=xq, w=w1q, bias=b1, row=row_src,
                  tile_group=tile_group, meta=meta, sa=xs, sb=w1s, out=h, z=z, num_ctas=num_ctas)
-        hq, hs = quantize_rows(h)
+        hq, hs = fp8_ops.quantize_used_rows(f, h, meta)
         call(f, "gemm2", table="gemm2_fp8", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
              sa=hs, sb=w2s, out=ys, num_ctas=num_ctas)
 

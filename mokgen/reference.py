@@ -731,6 +731,10 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
 
         impls.update(gemm1=gemm1_fp8, gemm2=gemm2_fp8)
         tables.update(gemm1="gemm1_fp8", gemm2="gemm2_fp8")
+        from .fp8_ops import ref_quant_rows, ref_quant_rows_used, ref_quant_w
+
+        impls.update(quant_rows=ref_quant_rows, quant_w=ref_quant_w,
+                     quant_rows_used=lambda x, meta, q, s: ref_quant_rows_used(x, meta, q, s, bm=bm))
     if gather or training:
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
