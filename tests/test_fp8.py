@@ -672,10 +672,10 @@ def test_fp8_imports_only_torch():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_spec_still_refuses_fp8():
+def test_spec_accepts_fp8_refuses_mxfp8():
     from mokgen.spec import SpecError, load_spec
 
-    for dt in ("fp8", "mxfp8"):
-        with pytest.raises(SpecError, match="not yet supported"):
-            load_spec(dict(name="t", hidden=256, ffn=256, experts=8, topk=2, tokens=256, dtype=dt,
-                           archs=["sm_90a"]))
+    base = dict(name="t", hidden=256, ffn=256, experts=8, topk=2, tokens=256, archs=["sm_90a"])
+    assert load_spec(dict(base, dtype="fp8")).dtype == "fp8"
+    with pytest.raises(SpecError, match="sm_100a \\(Blackwell\\) block-scaled format"):
+        load_spec(dict(base, dtype="mxfp8"))
