@@ -810,8 +810,12 @@ class CompiledMoE:
         combine kernels); the small torch reductions between them are not listed."""
         if self.fused:
             return ("routing", "fused")
-        fwd = ("routing",) + (("gather",) if self.gather else ()) + ("gemm1_train" if training else "gemm1",
-                                                                      "gemm2", "combine")
+        if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step)
+            fwd = ("routing", "quant_rows", "gemm1_train" if training else "gemm1", "quant_rows_used", "gemm2",
+                   "combine")
+        else:
+            fwd = ("routing",) + (("gather",) if self.gather else ()) + ("gemm1_train" if training else "gemm1",
+                                                                          "gemm2", "combine")
         if not training:
             return fwd
         return fwd + ("gather_dO", "dgrad1", "wgrad2", "dgrad2", "combine_dx", "gather_x", "wgrad1")
