@@ -345,9 +345,11 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
 # the FP8 quantization kernels: template, title, template parameters (every size is symbolic: nothing from the plan)
 FP8_QUANT = {
     "quant_rows": ("sm90/quant_rows.py.j2", "FP8 quantization of rows: 1x128 tiles (x, h, dO)",
-                   dict(threads=256, bounded=False)),
+                   dict(threads=256, bounded=False, gather=False)),
     "quant_rows_used": ("sm90/quant_rows.py.j2", "FP8 quantization of the used rows of the padded row space "
-                        "(meta[0] * BM): 1x128 tiles (h)", dict(threads=256, bounded=True)),
+                        "(meta[0] * BM): 1x128 tiles (h)", dict(threads=256, bounded=True, gather=False)),
+    "quant_rows_gather": ("sm90/quant_rows.py.j2", "FP8 quantization of gathered token rows (x[row_src[r]] for the "
+                          "used rows): GEMM 1's A operand", dict(threads=256, bounded=False, gather=True)),
     "quant_w": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks", dict(transpose=False)),
     "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
                  dict(transpose=True)),

@@ -20,8 +20,8 @@ import torch
 from . import fp8
 from .kernels import bind, call
 
-__all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
-           "reference_quant_kernels", "quantize_rows", "quantize_used_rows", "quantize_w", "quantize_cols", "as_e4m3"]
+__all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
+           "reference_quant_kernels", "quantize_rows", "quantize_used_rows", "quantize_gathered_rows", "quantize_w", "quantize_cols", "as_e4m3"]
 
 BLOCK = fp8.BLOCK
 
@@ -73,10 +73,18 @@ def ref_quant_rows_used(x, meta, q, s, *, bm: int) -> None:
     ref_quant_rows(x[:n], q[:n], s[:n])
 
 
+def ref_quant_rows_gather(x, row_src, meta, q, s, *, bm: int) -> None:
+    """:func:`ref_quant_rows` of x[row_src[r]] (token 0 for padding rows) into rows r of the used rows."""
+    n = min(int(meta[0]) * bm, row_src.shape[0])
+    ref_quant_rows(x[row_src[:n].long().clamp(min=0)], q[:n], s[:n])
+
+
 def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
     """{kernel name: positional step} of the FP8 quantization kernels, in the argument table's order (``bm``: the
     routing tile that ``quant_rows_used``'s meta[0] counts)."""
     return {"quant_rows": bind("quant_rows", ref_quant_rows),
+            "quant_rows_gather": bind("quant_rows_gather", lambda x, row_src, meta, q, s:
+                                      ref_quant_rows_gather(x, row_src, meta, q, s, bm=bm)),
             "quant_rows_used": bind("quant_rows_used", lambda x, meta, q, s: ref_quant_rows_used(x, meta, q, s, bm=bm)), "quant_w": bind("quant_w", ref_quant_w),
             "quant_wt": bind("quant_wt", ref_quant_wt), "quant_cols": bind("quant_cols", ref_quant_cols)}
 
@@ -130,6 +138,21 @@ def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, m
     if R and K:
         with _stream(x):
             call(fns, "quant_rows_used", x=x, meta=meta, q=q, s=s)
+    return q, s
+
+
+def quantize_gathered_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
+                           meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [T, K] -> (q uint8 [rows, K], s fp32 [rows, K / 128]) with q[r] the quantized x[row_src[r]] for the
+    used rows of the padded row space (meta[0] * BM, read on the device; padding rows quantize token 0), by
+    ``quant_rows_gather``: GEMM 1's A operand. The other rows stay uninitialized."""
+    _check("quantize_gathered_rows", "x", x, 2, {1: BLOCK})
+    R, K = row_src.shape[0], x.shape[1]
+    q = torch.empty((R, K), dtype=torch.uint8, device=x.device)
+    s = torch.empty((R, K // BLOCK), dtype=torch.float32, device=x.device)
+    if R and K and x.shape[0]:
+        with _stream(x):
+            call(fns, "quant_rows_gather", x=x, row_src=row_src, meta=meta, q=q, s=s)
     return q, s
 
 

@@ -184,6 +184,14 @@ ARGS.update({
         _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
            doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)"),
     ),
+    "quant_rows_gather": (
+        _t("x", "bf16", "tokens", "cols", doc="[T, K] bf16 token rows (K a multiple of 128)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes token 0)"),
+        _META,
+        _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits of the gathered rows (the used rows)"),
+        _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
+           doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)"),
+    ),
     "quant_w": _QUANT_W,
     "quant_wt": _QUANT_W + (
         _t("qt", "u8", "groups", "k", "n", written=True, doc="[G, K, N] e4m3 bits of w transposed (qt[g,k,n] = q[g,n,k])"),
@@ -214,11 +222,12 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
     "quant_rows": {"rows": None, "cols": "BLOCK"},
     "quant_rows_used": {"rows": None, "cols": "BLOCK"},
+    "quant_rows_gather": {"tokens": None, "rows": None, "cols": "BLOCK"},
     "quant_w": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
     "quant_wt": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
     "quant_cols": {"rows": "BLOCK", "cols": "BLOCK"},
 }
-FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_w", "quant_wt", "quant_cols")
+FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols")
 
 
 def names(kernel: str) -> tuple[str, ...]:

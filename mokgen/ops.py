@@ -102,7 +102,7 @@ def cap_rows(tokens: int, topk: int, shared: int, groups: int, bm: int) -> int:
 def uses_gather_kernel(plan: Any) -> bool:
     """True when the plan's GEMM 1 reads pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel,
     instead of gathering rows of x itself (a_load "gather", the default)."""
-    return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma"
+    return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma" and not is_fp8(plan)
 
 
 def is_fused(plan: Any) -> bool:
@@ -403,7 +403,7 @@ class _DeviceState:
 
 
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
-FP8_KERNELS = ("quant_rows", "quant_rows_used", "quant_w")   # what the FP8 forward launches besides its GEMMs (mokgen/fp8_ops.py)
+FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w")   # what the FP8 forward launches besides its GEMMs (mokgen/fp8_ops.py)
 
 
 def is_fp8(plan: Any) -> bool:
@@ -762,13 +762,13 @@ class CompiledMoE:
         return self._after_call(st, ws, topk_idx, check, y)
 
     def _fp8_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None) -> None:
-        """The FP8 forward GEMMs: x quantized per 1 x 128 (token rows; GEMM 1 gathers them by row_src), the
+        """The FP8 forward GEMMs: x's rows gathered and quantized per 1 x 128 into the padded row space, the
         weights' e4m3 copies (:class:`_Fp8Weights`), GEMM 1 -> h (bf16; with ``z``, the training form saving z),
         h quantized per 1 x 128, GEMM 2 -> ys."""
         from . import fp8_ops
 
         f = self._fns
-        xq, xs = fp8_ops.quantize_rows(f, x)
+        xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
         w1q, w1s = self._fp8_weights.get(f, w1)
         w2q, w2s = self._fp8_weights.get(f, w2)
         if z is None:
@@ -811,7 +811,7 @@ class CompiledMoE:
         if self.fused:
             return ("routing", "fused")
         if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step)
-            fwd = ("routing", "quant_rows", "gemm1_train" if training else "gemm1", "quant_rows_used", "gemm2",
+            fwd = ("routing", "quant_rows_gather", "gemm1_train" if training else "gemm1", "quant_rows_used", "gemm2",
                    "combine")
         else:
             fwd = ("routing",) + (("gather",) if self.gather else ()) + ("gemm1_train" if training else "gemm1",

@@ -657,12 +657,13 @@ FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per
 def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     """The FP8 form of forward GEMM `which`'s plan: K tile 128 (one scale block per stage), tile N 128 (GEMM 1:
     64 gate + 64 up columns, so a tile's W rows of each part lie in one 128-row scale block), cooperative
-    consumers (the promotion holds a second accumulator), no cluster, as many 1-byte stages as fit, A rows of GEMM
-    1 by one TMA box per token row (the gather of the 1 x 128-quantized x)."""
+    consumers (the promotion holds a second accumulator), no cluster, as many 1-byte stages as fit, A tiles by
+    TMA (GEMM 1's from the rows that quant_rows_gather gathered and quantized; one TMA box per row, a_load
+    "tma_rows", measured 718 TFLOP/s on kimi-k2 against GEMM 2's 945 with tiles: bench/NOTES.md v11)."""
     n, k = _gemm_shape(spec, which)
     fp8 = dataclasses.replace(
         g, bn=FP8_BN, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
-        a_load="tma_rows" if which == 1 else "tma", n_tiles=-(-n // FP8_BN), k_tiles=k // FP8_BK,
+        a_load="tma", n_tiles=-(-n // FP8_BN), k_tiles=k // FP8_BK,
         epi_n=g.epi_n if (FP8_BN // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N)
     most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
         (fp8.tile_m + fp8.bn) * fp8.bk)

@@ -609,12 +609,14 @@ def dequantize_weights(q, s) -> torch.Tensor:
 def ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, cfg: LayerConfig, bm: int,
                   z=None) -> None:
     """The FP8 GEMM 1 (table ``gemm1_fp8`` / ``gemm1_train_fp8``): :func:`ref_gemm1` (or, with ``z``,
-    :func:`ref_gemm1_train`) on the dequantized operands, x rows gathered by token."""
-    xd, wd = dequantize_rows(a, sa), dequantize_weights(w, sb)
+    :func:`ref_gemm1_train`) on the dequantized operands; A holds the gathered rows (quant_rows_gather's q), of
+    which the used ones are read."""
+    n = int(meta[0]) * bm
+    xd, wd = dequantize_rows(a[:n], sa[:n]), dequantize_weights(w, sb)
     if z is None:
-        ref_gemm1(xd, wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm)
+        ref_gemm1(xd, wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=True)
     else:
-        ref_gemm1_train(xd, wd, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm)
+        ref_gemm1_train(xd, wd, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=True)
 
 
 def ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, cfg: LayerConfig, bm: int) -> None:
@@ -731,9 +733,11 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
 
         impls.update(gemm1=gemm1_fp8, gemm2=gemm2_fp8)
         tables.update(gemm1="gemm1_fp8", gemm2="gemm2_fp8")
-        from .fp8_ops import ref_quant_rows, ref_quant_rows_used, ref_quant_w
+        from .fp8_ops import ref_quant_rows, ref_quant_rows_gather, ref_quant_rows_used, ref_quant_w
 
         impls.update(quant_rows=ref_quant_rows, quant_w=ref_quant_w,
+                     quant_rows_gather=lambda x, row_src, meta, q, s: ref_quant_rows_gather(x, row_src, meta, q, s,
+                                                                                            bm=bm),
                      quant_rows_used=lambda x, meta, q, s: ref_quant_rows_used(x, meta, q, s, bm=bm))
     if gather or training:
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
