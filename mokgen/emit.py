@@ -247,7 +247,7 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
         raise EmitError(f"{what}.bn: a tile's {bn} columns of each part must lie in one 128-row scale block of W "
                         f"({sb_n} W rows per column, parts {sb_p} rows apart)")
     w_rows = parts * n_out
-    return dict(sb_n=sb_n, sb_p=sb_p, sb_rows=-(-w_rows // 128))
+    return dict(sb_n=sb_n, sb_p=sb_p, sb_rows=-(-w_rows // 128), promote=g.promote)
 
 
 # the fused kernel's bounded waits (fused.py.j2 wait_count) and combine granularity; its sync workspace layout

@@ -235,6 +235,7 @@ class GemmPlan:
     # thread holds; more in flight hide more latency, each costs 2 registers)
     z_chunk: int = Z_CHUNK
     elem_bytes: int = ELEM_BYTES  # bytes per operand element: 2 (bf16) or 1 (e4m3, FP8 specs: see fp8_gemm)
+    promote: str = "serial"  # FP8: "serial" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
 
     @property
     def tile_m(self) -> int:
@@ -639,13 +640,25 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     """The best plan for `spec` on `arch` (FP8 specs: the BF16 plan's forward GEMMs made FP8 by fp8_gemm; the
     backward stays BF16 on the master weights)."""
     if spec.dtype != "fp8":
+        if promote := [k for k in ("promote", "gemm1_promote", "gemm2_promote") if k in overrides]:
+            raise PlanError(f"plan.{promote[0]}: the promotion mode applies to FP8 specs (dtype fp8), this one is "
+                            f"{spec.dtype}")
         return _solve(spec, arch, **overrides)
     # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
     plan = _solve(spec, arch, **{"consumer": "cooperative", **overrides})
     a = get_arch(arch)
     g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), fp8_gemm(spec, a, 2, plan.gemm2)
+    promotes = _SPACE.values("promote", "gemm1")
+    for which in (1, 2):
+        if (found := _gemm_override(overrides, which, "promote")) is not None:
+            if found[1] not in promotes:
+                raise PlanError(f"plan.{found[0]}: must be one of {', '.join(promotes)}, got {found[1]!r}")
+            g = g1 if which == 1 else g2
+            g = dataclasses.replace(g, promote=found[1])
+            g1, g2 = (g, g2) if which == 1 else (g1, g)
     notes = plan.notes + ("fp8: e4m3 forward GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's recipe); "
                           "BF16 backward on the master weights",)
+    notes = tuple(n for n in notes if n != "overrides: consumer=cooperative")   # ours, not the caller's
     return dataclasses.replace(plan, gemm1=g1, gemm2=g2, schedule="chain", notes=notes)
 
 

@@ -11,7 +11,8 @@ Per preset (its spec with ``dtype`` set to ``fp8``):
 * the weights' e4m3 copies follow in-place updates (``optimizer.step()``): never stale;
 * no host sync under ``torch.cuda.set_sync_debug_mode("error")`` once the weights are quantized.
 
-``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets, ``MOKGEN_GPU_TOKENS`` caps T.
+``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets, ``MOKGEN_GPU_TOKENS`` caps T, ``MOKGEN_GPU_OVERRIDES``
+(``k=v,...``, e.g. ``promote=overlap``) plan overrides.
 """
 
 import dataclasses
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.gpu
 PRESETS = ["qwen3-30b-a3b", "kimi-k2", "gpt-oss-120b"]
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
+OVERRIDES = dict(kv.split("=", 1) for kv in os.environ.get("MOKGEN_GPU_OVERRIDES", "").split(",") if "=" in kv)
 TOL = 1e-2          # against the quantization-aware float64 reference
 FP8_TOL = 0.12      # against the BF16 float64 reference (e4m3 keeps 3 mantissa bits: ~5-7% measured on CPU)
 
@@ -65,7 +67,7 @@ def check(spec, inp, y, what):
 @pytest.fixture(scope="module", params=PRESETS)
 def case(request):
     spec = dataclasses.replace(mokgen.load_spec(request.param), dtype="fp8")
-    moe = mokgen.compile(spec)
+    moe = mokgen.compile(spec, overrides=OVERRIDES)
     inp = ref.random_inputs(spec, tokens=_tokens(spec), device="cuda", seed=0)
     yield spec, moe, inp
     moe.check_errors()
