@@ -38,6 +38,10 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
             out.append(f"{key}: {value!r} not in the space")
     if out:
         return out
+    if getattr(spec, "dtype", "bf16") == "fp8":
+        return _check_fp8_config(spec, arch, cfg)
+    if any(k in cfg for k in ("promote", "gemm1_promote", "gemm2_promote")):
+        return [f"{k}: the promotion mode applies to FP8 specs" for k in cfg if k.endswith("promote")]
     fused = cfg.get("schedule", "chain") == "fused"
     for which, kernel in ((1, "gemm1"), (2, "gemm2")):
         bn = cfg.get(f"{kernel}_bn")
@@ -67,6 +71,30 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
     if out or not any(S.backward_kernel(k) in S._BWD for k in cfg):
         return out
     return _check_backward_config(spec, arch, cfg)
+
+
+# What the FP8 form fixes (mokgen.plan.fp8_gemm): tile N 128, cooperative consumers, cluster 1, A by TMA tiles,
+# the chain schedule, and the dgrads' tiles likewise; these overrides do not apply to an FP8 spec.
+_FP8_FIXED = {"bn": "tile N 128", "consumer": "cooperative tiles", "cluster": "cluster 1", "a_load": "A by TMA tiles",
+              "epi_n": "the forward epilogue staging"}
+
+
+def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    if arch != "sm_90a":
+        return [f"arch: dtype fp8 is planned for sm_90a, got {arch}"]
+    if cfg.get("schedule", "chain") != "chain":
+        out.append("schedule: the FP8 forward runs the chain schedule")
+    for key in cfg:
+        kernel, _, knob = key.partition("_") if key.startswith(("gemm", "dgrad")) else ("", "", key)
+        if kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
+            out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
+        elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
+            out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
+    wgrad = {k: v for k, v in cfg.items() if k.startswith("wgrad")}
+    if not out and wgrad:   # the BF16 weight-gradient GEMMs: their own constraints
+        out += _check_backward_config(spec, arch, wgrad)
+    return out
 
 
 def _check_backward_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
@@ -129,7 +157,7 @@ def check_plan(plan: Any) -> list[str]:
         if k % g.bk or g.k_tiles != k // g.bk or g.n_tiles != -(-n // g.bn):
             out.append(f"{name}: k_tiles/n_tiles do not match N {n}, K {k}")
         tile_m = g.tile_m
-        stage = (tile_m + g.bn) * g.bk * P.ELEM_BYTES
+        stage = (tile_m + g.bn) * g.bk * g.elem_bytes
         epi = (2 if g.consumer == "pingpong" else 1) * tile_m * P.EPI_N * P.ELEM_BYTES * P.EPI_BUFFERS
         smem = g.stages * stage + epi + P.BARRIER_BYTES
         if smem > a.smem_per_cta:
@@ -172,7 +200,8 @@ def _check_backward_plan(plan: Any) -> list[str]:
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{where}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "
                        f"{P._consumer_regs(a)}")
-        if g.bn % g.epi_n or g.bk != sp_.bk or g.a_load != "tma":
+        bk = 128 if g.elem_bytes == 1 else sp_.bk   # FP8 dgrads: one scale block per stage
+        if g.bn % g.epi_n or g.bk != bk or g.a_load != "tma":
             out.append(f"{where}: bn {g.bn} / epi_n {g.epi_n} / bk {g.bk} / a_load {g.a_load!r} do not fit the template")
         if g.n_tiles != -(-n // g.bn) or g.k_tiles != ((k // g.bk) if k is not None else 0):
             out.append(f"{where}: k_tiles/n_tiles do not match N {n}, K {k}")

@@ -155,6 +155,13 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
     spec = plan.spec
     H, I = spec.hidden, spec.ffn
     g = getattr(plan.backward, name)
+    if spec.dtype == "fp8":   # e4m3 operands; W from its K-major transposed copy (quant_wt): [G, N, K]
+        n_out, k_dim = (I, H) if name == "dgrad1" else (H, 2 * I)
+        if name == "dgrad1" and I % g.bn:
+            raise EmitError(f"plan.backward.dgrad1.bn: {g.bn} must divide ffn {I} (the dSwiGLU epilogue)")
+        return _grouped_params(plan, g, name + "_fp8", bn=g.bn, n_out=n_out, k_dim=k_dim, parts=1, n_stride=k_dim,
+                               k_stride=1, p_stride=n_out * k_dim, g_stride=n_out * k_dim, b_mn=False,
+                               epilogue="dswiglu" if name == "dgrad1" else "store", fp8=True)
     if name == "dgrad1":
         if I % g.bn:
             raise EmitError(f"plan.backward.dgrad1.bn: {g.bn} must divide ffn {I} (the dSwiGLU epilogue)")

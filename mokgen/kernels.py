@@ -131,6 +131,14 @@ ARGS: dict[str, tuple[Arg, ...]] = {
                                     a_doc="x [T, H] (rows gathered by row_src)"),
     "gemm2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                               a_doc="h [rows, FFN]"),
+    "dgrad1_fp8": _grouped_fp8(
+        _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
+        _Z,
+        _t("dz", "bf16", "rows", "2 * N_OUT", written=True, doc="[rows, 2 FFN] dz in W1's row order"),
+        _t("ds", "fp32", "rows", "N_TILES", written=True, doc="[rows, N_TILES] partial <dA', a> per N tile"),
+        a_doc="dO rows gathered by token [rows, H] (quant_rows_gather)"),
+    "dgrad2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] dx per slot"),
+                               a_doc="dz [rows, 2 FFN] (quant_rows_used)"),
     "dgrad1": _grouped(
         _W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
         _Z,
@@ -218,7 +226,7 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "combine": {"tokens": None, "rows": None},
     "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
-                                  "gemm1_train_fp8", "gemm2_fp8")},
+                                  "gemm1_train_fp8", "gemm2_fp8", "dgrad1_fp8", "dgrad2_fp8")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
     "quant_rows": {"rows": None, "cols": "BLOCK"},
     "quant_rows_used": {"rows": None, "cols": "BLOCK"},

@@ -403,7 +403,7 @@ class _DeviceState:
 
 
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
-FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w")   # what the FP8 forward launches besides its GEMMs (mokgen/fp8_ops.py)
+FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")   # what the FP8 forward launches besides its GEMMs (mokgen/fp8_ops.py)
 
 
 def is_fp8(plan: Any) -> bool:
@@ -420,26 +420,28 @@ class _Fp8Weights:
     def __init__(self) -> None:
         self._by_id: dict[int, tuple] = {}   # id(w) -> (weakref to w, key, q, s)
 
-    def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False) -> tuple:
+        """``(q, s)`` of w, or with ``transpose`` ``(q, s, qt, st)`` (also the K-major copy of w transposed, which
+        the FP8 dgrad GEMMs read), from the cache when w has not changed since they were made."""
         import weakref
 
         from . import fp8_ops
 
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return fp8_ops.quantize_w(fns, w)
+            return fp8_ops.quantize_w(fns, w, transpose=transpose)
         key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         hit = self._by_id.get(id(w))
-        if hit is not None and hit[0]() is w and hit[1] == key:
-            return hit[2], hit[3]
-        q, sc = fp8_ops.quantize_w(fns, w.detach())
+        if hit is not None and hit[0]() is w and hit[1] == key and (len(hit[2]) == 4 or not transpose):
+            return hit[2] if transpose else hit[2][:2]
+        made = fp8_ops.quantize_w(fns, w.detach(), transpose=transpose)
         by_id = self._by_id
 
         def drop(ref, i=id(w)):
             if i in by_id and by_id[i][0] is ref:
                 del by_id[i]
 
-        by_id[id(w)] = (weakref.ref(w, drop), key, q, sc)
-        return q, sc
+        by_id[id(w)] = (weakref.ref(w, drop), key, made)
+        return made
 
 
 class CompiledMoE:
@@ -769,8 +771,9 @@ class CompiledMoE:
 
         f = self._fns
         xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
-        w1q, w1s = self._fp8_weights.get(f, w1)
-        w2q, w2s = self._fp8_weights.get(f, w2)
+        t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
+        w1q, w1s = self._fp8_weights.get(f, w1, transpose=t)[:2]
+        w2q, w2s = self._fp8_weights.get(f, w2, transpose=t)[:2]
         if z is None:
             call(f, "gemm1", table="gemm1_fp8", a=xq, w=w1q, bias=b1, row=row_src, tile_group=tile_group, meta=meta,
                  sa=xs, sb=w1s, out=h, num_ctas=num_ctas)
@@ -942,8 +945,16 @@ class CompiledMoE:
             dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
             ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
-            call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=sa,
-                 z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
+            if self.fp8:   # dO's rows gathered and quantized; W2's K-major transposed e4m3 copy
+                from . import fp8_ops
+
+                dq, dsc = fp8_ops.quantize_gathered_rows(f, dy, sv.row_src, sv.meta)
+                w2t, w2ts = self._fp8_weights.get(f, w2, transpose=True)[2:]
+                call(f, "dgrad1", table="dgrad1_fp8", a=dq, w=w2t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
+                     meta=sv.meta, sa=dsc, sb=w2ts, out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
+            else:
+                call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta,
+                     out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
             onehot = self._group_onehot(sv.tile_group)
             group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
             torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
@@ -956,8 +967,14 @@ class CompiledMoE:
                 call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
             else:
                 call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
-            call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta, out=buf,
-                 num_ctas=num_ctas)
+            if self.fp8:   # dz's used rows quantized; W1's K-major transposed e4m3 copy
+                dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
+                w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True)[2:]
+                call(f, "dgrad2", table="dgrad2_fp8", a=dzq, w=w1t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
+                     meta=sv.meta, sa=dzs, sb=w1ts, out=buf, num_ctas=num_ctas)
+            else:
+                call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta,
+                     out=buf, num_ctas=num_ctas)
             dx = out.x if out.x is not None else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
             call(f, "combine", ys=buf, slot_pos=sv.slot_pos, y=dx)
             # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>

@@ -580,7 +580,22 @@ def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCo
 
 
 def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
-    """Every valid (GEMM1 bn, GEMM2 bn) plan, best first."""
+    """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
+    candidates, distinct ones only, in the BF16 ranking)."""
+    if spec.dtype == "fp8":
+        a = _fp8_arch(arch)
+        out, seen = [], set()
+        for p in _candidates(spec, arch):
+            if p.gemm1.consumer == p.gemm2.consumer == "cooperative":
+                q = fp8_plan(spec, a, p)
+                if (key := q.canonical_json()) not in seen:
+                    seen.add(key)
+                    out.append(q)
+        return out
+    return _candidates(spec, arch)
+
+
+def _candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     a = get_arch(arch)
     g1s = [_gemm_plan(spec, a, 1, bn) for bn in BN_CHOICES if _gemm_problem(spec, a, 1, bn) is None]
     g2s = [_gemm_plan(spec, a, 2, bn) for bn in BN_CHOICES if _gemm_problem(spec, a, 2, bn) is None]
@@ -637,29 +652,63 @@ def _int_override(key: str, value: Any) -> int:
 
 
 def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
-    """The best plan for `spec` on `arch` (FP8 specs: the BF16 plan's forward GEMMs made FP8 by fp8_gemm; the
-    backward stays BF16 on the master weights)."""
+    """The best plan for `spec` on `arch` (FP8 specs: see :func:`fp8_plan`)."""
+    promote_keys = [k for k in overrides if k == "promote" or k.endswith("_promote")]
     if spec.dtype != "fp8":
-        if promote := [k for k in ("promote", "gemm1_promote", "gemm2_promote") if k in overrides]:
-            raise PlanError(f"plan.{promote[0]}: the promotion mode applies to FP8 specs (dtype fp8), this one is "
-                            f"{spec.dtype}")
+        if promote_keys:
+            raise PlanError(f"plan.{promote_keys[0]}: the promotion mode applies to FP8 specs (dtype fp8), this one "
+                            f"is {spec.dtype}")
         return _solve(spec, arch, **overrides)
-    # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
-    plan = _solve(spec, arch, **{"consumer": "cooperative", **overrides})
-    a = get_arch(arch)
-    g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), fp8_gemm(spec, a, 2, plan.gemm2)
+    a = _fp8_arch(arch)
+    rest = {k: v for k, v in overrides.items() if k not in promote_keys}
+    if not rest:
+        plan = candidates(spec, arch)[0]
+    else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
+        plan = _solve(spec, arch, **{"consumer": "cooperative", **rest})
+        plan = fp8_plan(spec, a, dataclasses.replace(
+            plan, notes=tuple(n for n in plan.notes if n != "overrides: consumer=cooperative")))
     promotes = _SPACE.values("promote", "gemm1")
-    for which in (1, 2):
-        if (found := _gemm_override(overrides, which, "promote")) is not None:
-            if found[1] not in promotes:
-                raise PlanError(f"plan.{found[0]}: must be one of {', '.join(promotes)}, got {found[1]!r}")
+    g1, g2 = plan.gemm1, plan.gemm2
+    for which in (1, 2):   # stage overrides, within what fits 1-byte stages (fp8_gemm takes the most that fit)
+        if (key := f"gemm{which}_stages") in rest:
             g = g1 if which == 1 else g2
-            g = dataclasses.replace(g, promote=found[1])
+            stages = _int_override(key, rest[key])
+            if not MIN_STAGES <= stages <= g.stages:
+                raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {g.stages}] for the FP8 GEMM {which} on "
+                                f"{a.name}, got {stages}")
+            g = dataclasses.replace(g, stages=stages)
             g1, g2 = (g, g2) if which == 1 else (g1, g)
-    notes = plan.notes + ("fp8: e4m3 forward GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's recipe); "
-                          "BF16 backward on the master weights",)
-    notes = tuple(n for n in notes if n != "overrides: consumer=cooperative")   # ours, not the caller's
-    return dataclasses.replace(plan, gemm1=g1, gemm2=g2, schedule="chain", notes=notes)
+    gemms = {"gemm1": g1, "gemm2": g2, "dgrad1": plan.backward.dgrad1, "dgrad2": plan.backward.dgrad2} \
+        if plan.backward is not None else {"gemm1": g1, "gemm2": g2}
+    for name in gemms:
+        key = next((k for k in (f"{name}_promote", "promote") if k in overrides), None)
+        if key is not None:
+            if overrides[key] not in promotes:
+                raise PlanError(f"plan.{key}: must be one of {', '.join(promotes)}, got {overrides[key]!r}")
+            gemms[name] = dataclasses.replace(gemms[name], promote=overrides[key])
+    backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
+    return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
+
+
+def _fp8_arch(arch: str) -> Arch:
+    if arch != "sm_90a":
+        raise PlanError(f"plan.arch: dtype fp8 (blockwise e4m3 with promotion, Hopper's recipe) is planned for sm_90a, "
+                        f"got {arch!r}; Blackwell's block-scaled format is mxfp8 (not built yet)")
+    return get_arch(arch)
+
+
+def fp8_plan(spec: Spec, a: Arch, plan: Plan) -> Plan:
+    """The FP8 form of a cooperative BF16 plan: the forward GEMMs and the backward's dgrads by :func:`fp8_gemm`
+    (the dgrads read the weights' K-major transposed e4m3 copies), the wgrads BF16, the chain schedule. The
+    ranking and predicted times are still the BF16 cost model's (no FP8 records fitted yet)."""
+    backward = plan.backward
+    if backward is not None:
+        backward = dataclasses.replace(backward, dgrad1=fp8_gemm(spec, a, 3, backward.dgrad1),
+                                       dgrad2=fp8_gemm(spec, a, 4, backward.dgrad2))
+    notes = plan.notes + ("fp8: e4m3 forward and dgrad GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's "
+                          "recipe); BF16 weight-gradient GEMMs; the predicted times are the BF16 model's",)
+    return dataclasses.replace(plan, gemm1=fp8_gemm(spec, a, 1, plan.gemm1), gemm2=fp8_gemm(spec, a, 2, plan.gemm2),
+                               schedule="chain", notes=notes, backward=backward)
 
 
 # ---- FP8 (e4m3, blockwise scales) ----------------------------------------------------------------------------
@@ -668,16 +717,17 @@ FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per
 
 
 def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
-    """The FP8 form of forward GEMM `which`'s plan: K tile 128 (one scale block per stage), tile N 128 (GEMM 1:
+    """The FP8 form of GEMM `which`'s plan (1, 2: the forward GEMMs; 3, 4: dgrad1, dgrad2): K tile 128 (one scale block per stage), tile N 128 (GEMM 1:
     64 gate + 64 up columns, so a tile's W rows of each part lie in one 128-row scale block), cooperative
     consumers (the promotion holds a second accumulator), no cluster, as many 1-byte stages as fit, A tiles by
     TMA (GEMM 1's from the rows that quant_rows_gather gathered and quantized; one TMA box per row, a_load
     "tma_rows", measured 718 TFLOP/s on kimi-k2 against GEMM 2's 945 with tiles: bench/NOTES.md v11)."""
-    n, k = _gemm_shape(spec, which)
+    n, k = _gemm_shape(spec, which) if which <= 2 else backward_shape(spec, ("dgrad1", "dgrad2")[which - 3])[1:]
     fp8 = dataclasses.replace(
         g, bn=FP8_BN, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
         a_load="tma", n_tiles=-(-n // FP8_BN), k_tiles=k // FP8_BK,
-        epi_n=g.epi_n if (FP8_BN // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N)
+        epi_n=g.epi_n if (FP8_BN // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
+        z_chunk=min(g.z_chunk, FP8_BN // 4))
     most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
         (fp8.tile_m + fp8.bn) * fp8.bk)
     return dataclasses.replace(fp8, stages=max(MIN_STAGES, min(MAX_STAGES, most)))

@@ -625,6 +625,23 @@ def ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, c
               cfg=cfg, bm=bm)
 
 
+def ref_dgrad1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, dz, ds, num_ctas, *, cfg: LayerConfig,
+                   bm: int) -> None:
+    """The FP8 dgrad1 (table ``dgrad1_fp8``): :func:`ref_dgrad1` on the dequantized gathered dO rows and W2 (``w``
+    is W2's transposed copy [G, I, H])."""
+    n = int(meta[0]) * bm
+    ref_dgrad1(dequantize_rows(a[:n], sa[:n]), dequantize_weights(w, sb).transpose(1, 2), bias, row, tile_group,
+               meta, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
+
+
+def ref_dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, bm: int) -> None:
+    """The FP8 dgrad2 (table ``dgrad2_fp8``): :func:`ref_dgrad2` on the dequantized dz rows and W1 (``w`` is W1's
+    transposed copy [G, H, 2I])."""
+    n = int(meta[0]) * bm
+    ref_dgrad2(dequantize_rows(a[:n], sa[:n]), dequantize_weights(w, sb).transpose(1, 2), bias, row, tile_group,
+               meta, out, num_ctas, bm=bm)
+
+
 def ref_combine(ys, slot_pos, y) -> None:
     """y[t] = sum_j ys[slot_pos[t, j]] over j = 0..K+S-1 in that order, fp32 accumulation, slots < 0 skipped."""
     T, J = slot_pos.shape
@@ -756,8 +773,16 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
             def gemm1_train_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, num_ctas):
                 ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z)
 
-            impls["gemm1_train"] = gemm1_train_fp8
-            tables["gemm1_train"] = "gemm1_train_fp8"
+            def dgrad1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, dz, ds, num_ctas):
+                ref_dgrad1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
+
+            def dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
+                ref_dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, bm=bm)
+
+            from .fp8_ops import ref_quant_wt
+
+            impls.update(gemm1_train=gemm1_train_fp8, dgrad1=dgrad1_fp8, dgrad2=dgrad2_fp8, quant_wt=ref_quant_wt)
+            tables.update(gemm1_train="gemm1_train_fp8", dgrad1="dgrad1_fp8", dgrad2="dgrad2_fp8")
         for name in ("wgrad1", "wgrad2"):
             for acc in (False, True):
                 impls[name + ("_acc" if acc else "")] = (

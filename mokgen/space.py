@@ -89,7 +89,7 @@ SM90 = ArchSpace(
              doc="L2 eviction priority of the W-tile TMA loads"),
         Knob("a_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
              doc="L2 eviction priority of TMA-loaded A tiles"),
-        Knob("promote", _FWD, ("serial", "overlap"), shared=True, search=None,
+        Knob("promote", _FWD + ("dgrad1", "dgrad2"), ("serial", "overlap"), shared=True, search=None,
              doc="FP8 specs: each K block's wgmma waited before its promotion, or the next block's issued first "
                  "(two per-block accumulators)"),
         Knob("schedule", ("plan",), ("chain", "fused"), search=("chain", "fused"),

@@ -14,6 +14,8 @@ PRESETS = {
     "qwen3-235b-a22b": (4096, 1536, 128, 8, 0, 64, 2048),
     "qwen3-30b-a3b": (2048, 768, 128, 8, 0, 1, 4096),
     "gpt-oss-120b": (2880, 2880, 128, 4, 0, 1, 4096),
+    "kimi-k2-fp8": (7168, 2048, 384, 8, 1, 64, 2048),        # dtype fp8
+    "qwen3-30b-a3b-fp8": (2048, 768, 128, 8, 0, 1, 4096),    # dtype fp8
 }
 
 BASE = {"hidden": 1024, "ffn": 512, "experts": 8, "topk": 2, "tokens": 256}
@@ -29,7 +31,8 @@ def test_preset_loads_and_round_trips(name):
     spec = load_spec(name)
     hidden, ffn, experts, topk, shared, ep, tokens = PRESETS[name]
     assert (spec.name, spec.hidden, spec.ffn, spec.experts, spec.topk) == (name, hidden, ffn, experts, topk)
-    assert (spec.shared_experts, spec.ep, spec.tokens, spec.dtype) == (shared, ep, tokens, "bf16")
+    assert (spec.shared_experts, spec.ep, spec.tokens, spec.dtype) == (shared, ep, tokens,
+                                                                   "fp8" if name.endswith("-fp8") else "bf16")
     assert Spec.from_dict(spec.to_dict()) == spec
     assert load_spec(spec.to_dict()) == spec
     assert Spec.from_dict(spec.to_dict()).canonical_json() == spec.canonical_json()

@@ -212,7 +212,7 @@ def fitted():
     return C.fit(C.bench_records())
 
 
-@pytest.mark.parametrize("name", [s.name for s in list_presets()])
+@pytest.mark.parametrize("name", [s.name for s in list_presets() if s.dtype == "bf16"])
 def test_piecewise_plan_of_every_preset(name, fitted):
     spec = load_spec(name)
     pw = C.piecewise(spec, "sm_90a", fitted.theta)

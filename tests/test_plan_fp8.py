@@ -1,0 +1,86 @@
+"""The FP8 plans (spec dtype fp8, mokgen.plan.fp8_plan): what the FP8 GEMM form fixes, what stays BF16, the
+overrides that apply and those refused, candidates and round trips. CPU only."""
+
+import pytest
+
+from mokgen import configs
+from mokgen.emit import emit
+from mokgen.plan import MIN_STAGES, Plan, PlanError, candidates, get_arch, solve
+from mokgen.spec import list_presets, load_spec
+
+FP8_PRESETS = [s.name for s in list_presets() if s.dtype == "fp8"]
+
+
+def test_fp8_presets_exist():
+    assert sorted(FP8_PRESETS) == ["kimi-k2-fp8", "qwen3-30b-a3b-fp8"]
+
+
+@pytest.mark.parametrize("name", FP8_PRESETS)
+def test_fp8_plan_constraints(name):
+    spec, a = load_spec(name), get_arch("sm_90a")
+    plan = solve(spec)
+    assert plan.schedule == "chain" and plan.bm == 128 and not configs.check_plan(plan)
+    fwd = (plan.gemm1, plan.gemm2)
+    bwd = (plan.backward.dgrad1, plan.backward.dgrad2)
+    for g in fwd + bwd:
+        assert (g.bk, g.bn, g.elem_bytes, g.consumer, g.cluster, g.a_load) == (128, 128, 1, "cooperative", 1, "tma")
+        assert g.smem_bytes() <= a.smem_per_cta and g.stages >= MIN_STAGES
+        # as many 1-byte stages as fit (capped)
+        assert g.stages == 7 or Plan  # noqa: the cap
+        assert (g.stages + 1) * (g.tile_m + g.bn) * g.bk + (g.smem_bytes() - g.stages * (g.tile_m + g.bn) * g.bk) \
+            > a.smem_per_cta or g.stages == 7
+        assert g.promote == "serial"
+    assert plan.gemm1.k_tiles * 128 == spec.hidden and plan.gemm2.k_tiles * 128 == spec.ffn
+    assert plan.backward.dgrad1.k_tiles * 128 == spec.hidden and plan.backward.dgrad2.k_tiles * 128 == 2 * spec.ffn
+    for g in (plan.backward.wgrad1, plan.backward.wgrad2):   # the weight gradients stay BF16
+        assert g.elem_bytes == 2 and g.bk == 64
+    assert any("fp8" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("name", FP8_PRESETS)
+def test_fp8_candidates_and_round_trip(name):
+    spec = load_spec(name)
+    plan = solve(spec)
+    cands = candidates(spec)
+    assert cands[0].canonical_json() == plan.canonical_json()
+    assert len({c.canonical_json() for c in cands}) == len(cands)
+    assert all(c.gemm1.elem_bytes == c.gemm2.elem_bytes == 1 for c in cands)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert solve(load_spec(name)).canonical_json() == plan.canonical_json()
+
+
+def test_fp8_overrides():
+    spec = load_spec("kimi-k2-fp8")
+    assert solve(spec, promote="overlap").gemm1.promote == solve(spec, promote="overlap").gemm2.promote == "overlap"
+    p = solve(spec, gemm2_promote="overlap")
+    assert (p.gemm1.promote, p.gemm2.promote) == ("serial", "overlap")
+    assert solve(spec, gemm2_stages=4).gemm2.stages == 4
+    with pytest.raises(PlanError, match=r"^plan\.gemm2_stages: must be in \[3, 6\]"):
+        solve(spec, gemm2_stages=7)
+    with pytest.raises(PlanError, match=r"^plan\.promote: must be one of serial, overlap, got 'fast'$"):
+        solve(spec, promote="fast")
+    with pytest.raises(PlanError, match=r"^plan\.promote: the promotion mode applies to FP8 specs"):
+        solve(load_spec("kimi-k2"), promote="overlap")
+    with pytest.raises(PlanError, match=r"^plan\.arch: dtype fp8 .* is planned for sm_90a, got 'sm_100a'"):
+        solve(spec, "sm_100a")
+    assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
+        "gemm1_bn: fixed by the FP8 form (tile N 128)"]
+    assert configs.check_config(spec, "sm_90a", {"schedule": "fused"}) == [
+        "schedule: the FP8 forward runs the chain schedule"]
+    assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == ["dgrad1_bn: the FP8 dgrad's tile is fixed (bn)"]
+    assert configs.check_config(spec, "sm_90a", {"promote": "overlap", "wgrad1_bn": 128}) == []
+    assert configs.check_config(load_spec("kimi-k2"), "sm_90a", {"promote": "overlap"}) == [
+        "promote: the promotion mode applies to FP8 specs"]
+
+
+def test_fp8_emit():
+    plan = solve(load_spec("kimi-k2-fp8"), promote="overlap")
+    files = emit(plan).files
+    g1, g2, d1, d2 = (files[f] for f in ("gemm1.py", "gemm2.py", "dgrad1.py", "dgrad2.py"))
+    for src in (g1, g2, d1, d2):
+        assert "FP8 = True" in src and "ELEM = cutlass.Float8E4M3FN" in src and "BK = 128" in src
+        assert 'PROMOTE = "overlap"' in src and "acc_k1" in src
+    assert "SB_N = 1" in g1 and "SB_P = 2048" in g1 and "SB_ROWS = 32" in g1   # W1 [2I, H]: gate rows, then up
+    assert "SB_ROWS = 56" in g2 and "B_MN = False" in d1 and "EPILOGUE = \"dswiglu\"" in d1
+    assert "N_OUT = 7168" in d2 and "K_DIM = 4096" in d2   # dgrad2 reads W1's transposed copy [G, H, 2I]
+    assert "FP8 = False" in files["wgrad1.py"] or "FP8" not in files["wgrad1.py"]
