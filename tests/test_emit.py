@@ -105,7 +105,15 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
         assert report[k]["wgmma.mma_async"] and report[k]["cp.async.bulk.tensor"] and report[k]["mbarrier"], (k, report[k])
     ptx = (Path(art.dir) / "gemm1.ptx").read_text()
     assert ".target sm_90a" in ptx and "setmaxnreg" in ptx and "stmatrix" in ptx
-    if plan.gemm1.a_load == "gather":
+    if plan.spec.dtype == "fp8":   # e4m3 wgmma in the FP8 GEMMs, fp32 accumulate; the quantizers' conversion
+        for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2"):
+            assert ".f32.e4m3.e4m3" in (Path(art.dir) / f"{k}.ptx").read_text(), k
+        for k in ("wgrad1", "wgrad2"):   # the weight gradients stay BF16
+            assert ".f32.bf16.bf16" in (Path(art.dir) / f"{k}.ptx").read_text(), k
+        for k in ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols"):
+            assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
+        assert plan.gemm1.a_load == "tma" and "cp.async.cg.shared.global" not in ptx
+    elif plan.gemm1.a_load == "gather":
         assert "cp.async.cg.shared.global" in ptx  # the fused row gather
     else:  # small routed groups: the gather kernel + TMA (gpt-oss-120b, qwen3-30b-a3b)
         assert plan.gemm1.a_load == "tma" and name in ("gpt-oss-120b", "qwen3-30b-a3b")
