@@ -198,6 +198,9 @@ def _explain_tuning(spec: Any, arch: str, info: Any) -> list[str]:
     if rec is not None:
         return [f"tuning: this plan is the tuned one: record {where} ({rec['gpu']}, {rec['created']}, tuned at "
                 f"T = {', '.join(map(str, (rec.get('tune') or {}).get('tokens', [])))})", *pw.describe()]
+    if getattr(spec, "dtype", "bf16") == "fp8":
+        return [f"tuning: {where}; `mokgen tune {spec.name}` on the GPU measures the FP8 candidates (the fitted "
+                "model has no FP8 records: no piecewise plan)"]
     fit = C.fit(C.bench_records())
     pw = C.piecewise(spec, arch, fit.theta)
     return [f"tuning: {where}; `mokgen tune {spec.name}` on the GPU measures the candidates",

@@ -230,6 +230,8 @@ def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] = S
     skipped here (the fused schedule takes only cooperative, cluster-1, gathered, equal-bn configs), so every
     config yielded solves (:func:`mokgen.plan.solve`) to a plan that passes :func:`check_plan` (tested)."""
     fixed = dict(fixed or {})
+    if getattr(spec, "dtype", "bf16") == "fp8" and axes == S.SEARCH_AXES:
+        axes = S.FP8_SEARCH_AXES   # what the FP8 form leaves free
     free = [ax for ax in axes if ax not in fixed]
     for combo in itertools.product(*(S.axis_values(arch, ax) for ax in free)):
         cfg = {**dict(zip(free, combo)), **fixed}

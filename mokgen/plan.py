@@ -922,6 +922,8 @@ def _pct(x: float) -> str:
 
 
 def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
+    if g.elem_bytes == 1:
+        return _explain_fp8_gemm(spec, arch, which, g, c)
     n, k = _gemm_shape(spec, which)
     title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
     if which == 1:
@@ -956,6 +958,32 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
          f"-> raster_group = {g.raster_group}"),
         f"  tiles = {_m_tiles(spec, g.bm) * (g.bm // g.tile_m)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "
         f"-> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
+    ]
+
+
+def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
+    """The FP8 form's lines: what fp8_gemm fixed and why, the stage ring in 1-byte elements."""
+    n, k = _gemm_shape(spec, which)
+    title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
+    stage = (g.tile_m + g.bn) * g.bk * g.elem_bytes
+    fixed = g.smem_bytes() - g.stages * stage
+    waves = c.tiles / arch.sms
+    return [
+        f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
+        "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" if which == 1 else
+                   "h's used rows quantized by quant_rows_used, read by TMA tiles"),
+        f"  bn = {g.bn} (fixed: the accumulator plus the promotion's per-block one, 2 x {_acc_regs(g.bn)} fp32 "
+        f"registers per consumer thread" + (f"; {g.bn // 2} gate + {g.bn // 2} up columns, each part's W rows in "
+                                            f"one 128-row scale block)" if which == 1 else ")"),
+        f"  smem per stage = BK*(BM + BN)*1 B = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
+        f"barriers {BARRIER_BYTES} B -> stages = {g.stages} (the most that fit, range [{MIN_STAGES}, {MAX_STAGES}]; "
+        f"{g.smem_bytes()} of {arch.smem_per_cta} B, {fixed} B besides the ring)",
+        f"  promotion: {g.promote} (overlap: the next block's wgmma issued before this block's scaling; measured "
+        f"no faster on the H200, bench/NOTES.md v11)",
+        f"  raster_group = {g.raster_group}; tiles = {_m_tiles(spec, g.bm)} M x {g.n_tiles} N = {c.tiles}; waves = "
+        f"{waves:.2f} -> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
+        "  cost below: the BF16 model's (no FP8 records fitted; the measured FP8 GEMMs ran 786-868 TFLOP/s on "
+        "kimi-k2, bench/NOTES.md v11)",
     ]
 
 
@@ -1010,7 +1038,8 @@ def explain(plan: Plan, top: int = 5) -> str:
         + ", ".join(f"GEMM{w} {g.tile_m} rows ({g.consumer}: " + ("2 consumer warpgroups x 64 rows" if g.consumer
                     == "cooperative" else "one warpgroup per tile, two tiles in flight") + ")"
                     for w, g in ((1, plan.gemm1), (2, plan.gemm2)))
-        + f", tile K = {BK}",
+        + (f", tile K = {plan.gemm1.bk}" + (" (FP8: one 128-wide scale block per stage)" if spec.dtype == "fp8"
+                                             else "")),
         "",
         *_explain_gemm(spec, arch, 1, plan.gemm1, c1),
         "",

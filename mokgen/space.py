@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Knob", "ArchSpace", "SPACES", "space", "override_keys", "legal_values", "SEARCH_AXES",
-           "BACKWARD_SEARCH_AXES", "axis_values", "backward_kernel"]
+           "BACKWARD_SEARCH_AXES", "FP8_SEARCH_AXES", "axis_values", "backward_kernel"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ SM90 = ArchSpace(
              doc="L2 eviction priority of the W-tile TMA loads"),
         Knob("a_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
              doc="L2 eviction priority of TMA-loaded A tiles"),
-        Knob("promote", _FWD + ("dgrad1", "dgrad2"), ("serial", "overlap"), shared=True, search=None,
+        Knob("promote", _FWD + ("dgrad1", "dgrad2"), ("serial", "overlap"), shared=True, search=("serial", "overlap"),
              doc="FP8 specs: each K block's wgmma waited before its promotion, or the next block's issued first "
                  "(two per-block accumulators)"),
         Knob("schedule", ("plan",), ("chain", "fused"), search=("chain", "fused"),
@@ -157,9 +157,15 @@ def axis_values(arch: str, axis: str) -> tuple[Any, ...]:
         return sp_.knob("schedule").search or ()
     if axis == "cluster":
         return sp_.knob("cluster", "gemm1").search or ()
+    if axis == "promote":
+        return sp_.knob("promote", "gemm1").search or ()
     kernel, _, key = axis.partition("_")
     return sp_.knob(key, kernel).search or ()
 
+
+# The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
+# schedule: mokgen.plan.fp8_gemm)
+FP8_SEARCH_AXES = ("promote",)
 
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are

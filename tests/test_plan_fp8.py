@@ -84,3 +84,18 @@ def test_fp8_emit():
     assert "SB_ROWS = 56" in g2 and "B_MN = False" in d1 and "EPILOGUE = \"dswiglu\"" in d1
     assert "N_OUT = 7168" in d2 and "K_DIM = 4096" in d2   # dgrad2 reads W1's transposed copy [G, H, 2I]
     assert "FP8 = False" in files["wgrad1.py"] or "FP8" not in files["wgrad1.py"]
+
+
+@pytest.mark.parametrize("name", FP8_PRESETS)
+def test_fp8_tune_space(name):
+    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion mode forward; the dgrads' z
+    chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
+    spec = load_spec(name)
+    fwd = list(configs.enumerate_configs(spec))
+    assert fwd == [{"promote": "serial"}, {"promote": "overlap"}]
+    bwd = list(configs.enumerate_backward_configs(spec))
+    assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk")) for c in bwd)
+    for cfg in fwd + bwd:
+        p = solve(spec, **cfg)
+        assert not configs.check_plan(p), (cfg, configs.check_plan(p))
+        assert p.gemm1.elem_bytes == p.backward.dgrad1.elem_bytes == 1
