@@ -115,16 +115,23 @@ def _check(fn: str, name: str, t: torch.Tensor, dims: int, mult: Mapping[int, in
         raise ValueError(f"{fn}: {name} must be 16-byte aligned")
 
 
+def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Tensor, rows: int,
+                 **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate q uint8 [rows, K] and s fp32 [rows, K / 128] for a row-quantizing kernel of x [.., K] and launch
+    it (nothing to launch for an empty x)."""
+    K = x.shape[1]
+    q = torch.empty((rows, K), dtype=torch.uint8, device=x.device)
+    s = torch.empty((rows, K // BLOCK), dtype=torch.float32, device=x.device)
+    if rows and K and x.shape[0]:
+        with _stream(x):
+            call(fns, kernel, x=x, **kw, q=q, s=s)
+    return q, s
+
+
 def quantize_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [rows, K] (K % 128 == 0) -> (q uint8 [rows, K] e4m3 bits, s fp32 [rows, K / 128]) by ``quant_rows``."""
     _check("quantize_rows", "x", x, 2, {1: BLOCK})
-    R, K = x.shape
-    q = torch.empty((R, K), dtype=torch.uint8, device=x.device)
-    s = torch.empty((R, K // BLOCK), dtype=torch.float32, device=x.device)
-    if R and K:
-        with _stream(x):
-            call(fns, "quant_rows", x=x, q=q, s=s)
-    return q, s
+    return _rows_launch(fns, "quant_rows", x, x.shape[0])
 
 
 def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, meta: torch.Tensor
@@ -132,13 +139,7 @@ def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, m
     """As :func:`quantize_rows` for rows of the padded row space, by ``quant_rows_used``: only the used rows,
     ``meta[0] * BM`` (read on the device), are read and written; the others of q and s stay uninitialized."""
     _check("quantize_used_rows", "x", x, 2, {1: BLOCK})
-    R, K = x.shape
-    q = torch.empty((R, K), dtype=torch.uint8, device=x.device)
-    s = torch.empty((R, K // BLOCK), dtype=torch.float32, device=x.device)
-    if R and K:
-        with _stream(x):
-            call(fns, "quant_rows_used", x=x, meta=meta, q=q, s=s)
-    return q, s
+    return _rows_launch(fns, "quant_rows_used", x, x.shape[0], meta=meta)
 
 
 def quantize_gathered_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
@@ -147,13 +148,7 @@ def quantize_gathered_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tenso
     used rows of the padded row space (meta[0] * BM, read on the device; padding rows quantize token 0), by
     ``quant_rows_gather``: GEMM 1's A operand. The other rows stay uninitialized."""
     _check("quantize_gathered_rows", "x", x, 2, {1: BLOCK})
-    R, K = row_src.shape[0], x.shape[1]
-    q = torch.empty((R, K), dtype=torch.uint8, device=x.device)
-    s = torch.empty((R, K // BLOCK), dtype=torch.float32, device=x.device)
-    if R and K and x.shape[0]:
-        with _stream(x):
-            call(fns, "quant_rows_gather", x=x, row_src=row_src, meta=meta, q=q, s=s)
-    return q, s
+    return _rows_launch(fns, "quant_rows_gather", x, row_src.shape[0], row_src=row_src, meta=meta)
 
 
 def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False):

@@ -1,0 +1,68 @@
+"""The runtime's FP8 path (spec dtype fp8) on the CPU, on the reference kernels (mokgen.reference_kernels: the
+kernels' argument tables, float32 math on the dequantized operands): the launch sequence, the weights' e4m3
+copies following in-place updates, forward against the quantization-aware float64 reference, the training step."""
+
+import torch
+
+from mokgen import plan as P
+from mokgen import reference as R
+from mokgen.ops import CompiledMoE, kernels_of
+from mokgen.spec import Spec
+
+
+def _case(seed=0, T=64):
+    spec = Spec(name="t8", hidden=256, ffn=256, experts=4, topk=2, tokens=T, dtype="fp8")
+    pl = P.solve(spec)
+    moe = CompiledMoE(spec, pl, functions=R.reference_kernels(spec, pl.bm, training=True), allow_cpu=True)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 256, generator=g).bfloat16()
+    w1 = (torch.randn(4, 512, 256, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(4, 256, 256, generator=g) * 0.05).bfloat16()
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(T)]).int()
+    wt = torch.rand(T, 2, generator=g)
+    return spec, pl, moe, x, idx, wt, w1, w2
+
+
+def test_fp8_kernels_and_sequence():
+    spec, pl, moe, *_ = _case()
+    ks = kernels_of(pl)
+    assert {"quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt"} <= set(ks)
+    assert moe.launch_sequence(training=False) == ("routing", "quant_rows_gather", "gemm1", "quant_rows_used",
+                                                   "gemm2", "combine")
+    assert moe.fp8 and moe.trainable
+
+
+def test_fp8_forward_matches_the_quantized_reference():
+    spec, pl, moe, x, idx, wt, w1, w2 = _case()
+    y = moe(x, idx, wt, w1, w2)
+    ref8 = R.forward_fp8(x, idx, wt, w1, w2, spec)
+    ref16 = R.forward(x, idx, wt, w1, w2, spec)
+    assert R.rel_err(y.float(), ref8) < 1e-2
+    assert 0.02 < R.rel_err(y.float(), ref16) < 0.12   # e4m3's resolution, not zero: FP8 really ran
+    y2, saved = moe.forward_train(x, idx, wt, w1, w2)
+    assert torch.equal(y, y2)
+
+
+def test_fp8_weights_follow_in_place_updates():
+    spec, pl, moe, x, idx, wt, w1, w2 = _case()
+    y1 = moe(x, idx, wt, w1, w2)
+    assert torch.equal(moe(x, idx, wt, w1, w2), y1)   # cached copies: same bits
+    with torch.no_grad():
+        w2.mul_(0.5)   # what optimizer.step() does: in place, version bumped
+    y2 = moe(x, idx, wt, w1, w2)
+    assert R.rel_err(y2.float(), R.forward_fp8(x, idx, wt, w1, w2, spec)) < 1e-2
+    assert not torch.equal(y1, y2)
+    w2b = w2.clone()   # another tensor with the same values: its own copy, same result
+    assert torch.equal(moe(x, idx, wt, w1, w2b), y2)
+
+
+def test_fp8_training_step():
+    spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=1)
+    y, saved = moe.forward_train(x, idx, wt, w1, w2)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    g = moe.backward(dy, saved, x, wt, w1, w2)
+    r = R.backward(dy, x, idx, wt, w1, w2, spec)
+    for name in ("x", "topk_weight", "w1", "w2"):
+        got = getattr(g, name)
+        assert bool(torch.isfinite(got).all()), name
+        assert R.rel_err(got.float(), getattr(r, name)) < 0.12, name
