@@ -75,7 +75,7 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
 
 # What the FP8 form fixes (mokgen.plan.fp8_gemm): tile N 128, cooperative consumers, cluster 1, A by TMA tiles,
 # the chain schedule, and the dgrads' tiles likewise; these overrides do not apply to an FP8 spec.
-_FP8_FIXED = {"bn": "tile N 128", "consumer": "cooperative tiles", "cluster": "cluster 1", "a_load": "A by TMA tiles",
+_FP8_FIXED = {"bn": "tile N 128", "consumer": "cooperative tiles", "a_load": "A by TMA tiles",
               "epi_n": "the forward epilogue staging"}
 
 

@@ -245,9 +245,9 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
         raise EmitError(f"{what}.bk: FP8 K blocks are 128 wide (one scale per stage), got bk {g.bk}, K {k_dim}")
     if k_stride != 1:
         raise EmitError(f"{what}: FP8 wgmma reads K-major operands only (W needs a transposed copy)")
-    if g.consumer != "cooperative" or a_gather or g.cluster != 1:
-        raise EmitError(f"{what}: the FP8 form runs cooperative consumers, TMA-loaded A, cluster 1 "
-                        f"(got {g.consumer}, a_load {g.a_load}, cluster {g.cluster})")
+    if g.consumer != "cooperative" or a_gather:
+        raise EmitError(f"{what}: the FP8 form runs cooperative consumers and TMA-loaded A "
+                        f"(got {g.consumer}, a_load {g.a_load})")
     sb_n, sb_p = n_stride // k_dim, p_stride // k_dim
     span = bn * sb_n
     if n_stride % k_dim or p_stride % k_dim or 128 % span or not (sb_p % 128 == 0 or sb_p < sb_n):

@@ -669,6 +669,13 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             plan, notes=tuple(n for n in plan.notes if n != "overrides: consumer=cooperative")))
     promotes = _SPACE.values("promote", "gemm1")
     g1, g2 = plan.gemm1, plan.gemm2
+    for which in (1, 2):   # W-tile multicast to M-tile pairs (the BF16 knob; fp8_gemm starts from cluster 1)
+        if (found := _gemm_override(rest, which, "cluster")) is not None:
+            c = _int_override(*found)
+            if c not in CLUSTERS:
+                raise PlanError(f"plan.{found[0]}: must be one of {', '.join(map(str, CLUSTERS))}, got {c}")
+            g = dataclasses.replace(g1 if which == 1 else g2, cluster=c)
+            g1, g2 = (g, g2) if which == 1 else (g1, g)
     for which in (1, 2):   # stage overrides, within what fits 1-byte stages (fp8_gemm takes the most that fit)
         if (key := f"gemm{which}_stages") in rest:
             g = g1 if which == 1 else g2
@@ -719,7 +726,8 @@ FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per
 def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     """The FP8 form of GEMM `which`'s plan (1, 2: the forward GEMMs; 3, 4: dgrad1, dgrad2): K tile 128 (one scale block per stage), tile N 128 (GEMM 1:
     64 gate + 64 up columns, so a tile's W rows of each part lie in one 128-row scale block), cooperative
-    consumers (the promotion holds a second accumulator), no cluster, as many 1-byte stages as fit, A tiles by
+    consumers (the promotion holds a second accumulator), cluster 1 (solve's ``cluster`` override multicasts the
+    forward GEMMs' W tiles to M-tile pairs, as in BF16), as many 1-byte stages as fit, A tiles by
     TMA (GEMM 1's from the rows that quant_rows_gather gathered and quantized; one TMA box per row, a_load
     "tma_rows", measured 718 TFLOP/s on kimi-k2 against GEMM 2's 945 with tiles: bench/NOTES.md v11)."""
     n, k = _gemm_shape(spec, which) if which <= 2 else backward_shape(spec, ("dgrad1", "dgrad2")[which - 3])[1:]

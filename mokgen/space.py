@@ -165,7 +165,7 @@ def axis_values(arch: str, axis: str) -> tuple[Any, ...]:
 
 # The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
 # schedule: mokgen.plan.fp8_gemm)
-FP8_SEARCH_AXES = ("promote",)
+FP8_SEARCH_AXES = ("promote", "cluster")
 
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are

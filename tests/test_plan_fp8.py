@@ -69,6 +69,9 @@ def test_fp8_overrides():
         "schedule: the FP8 forward runs the chain schedule"]
     assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == ["dgrad1_bn: the FP8 dgrad's tile is fixed (bn)"]
     assert configs.check_config(spec, "sm_90a", {"promote": "overlap", "wgrad1_bn": 128}) == []
+    p = solve(spec, cluster=2)   # W-tile multicast to M-tile pairs: the forward GEMMs only
+    assert (p.gemm1.cluster, p.gemm2.cluster, p.backward.dgrad1.cluster) == (2, 2, 1) and not configs.check_plan(p)
+    assert solve(spec, gemm2_cluster=2).gemm1.cluster == 1
     assert configs.check_config(load_spec("kimi-k2"), "sm_90a", {"promote": "overlap"}) == [
         "promote: the promotion mode applies to FP8 specs"]
 
@@ -92,7 +95,8 @@ def test_fp8_tune_space(name):
     chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
-    assert fwd == [{"promote": "serial"}, {"promote": "overlap"}]
+    assert sorted(map(str, fwd)) == sorted(map(str, [{"promote": p, "cluster": c} for p in ("serial", "overlap")
+                                                       for c in (1, 2)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk")) for c in bwd)
     for cfg in fwd + bwd:
