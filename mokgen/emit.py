@@ -184,7 +184,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
     producer_regs, consumer_regs = g.regs
     what = f"plan.{'backward.' if kernel.startswith('dgrad') else ''}{kernel.replace('_train', '').replace('_fp8', '')}"
     _check_smem(plan, g.smem_bytes(parts * bn), f"{what}: {g.stages} stages")
-    if k_dim % g.bk:
+    if k_dim % g.bk and not fp8:
         raise EmitError(f"{what}.bk: {g.bk} does not divide K={k_dim}")
     if bn % g.epi_n:
         raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
@@ -220,7 +220,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         epi_stages=g.epi_stages,
         raster=g.panel_tiles(plan.bm),
         n_tiles=-(-n_out // bn),
-        k_tiles=k_dim // g.bk,
+        k_tiles=-(-k_dim // g.bk) if fp8 else k_dim // g.bk,   # FP8: a partial last K block (TMA zero-fills)
         a_gather=a_gather,
         a_rows=a_rows,
         producer_regs=producer_regs,
@@ -241,8 +241,9 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
                 p_stride: int, a_gather: bool) -> dict[str, Any]:
     """The FP8 form's constants: where a tile's W rows fall in the 128 x 128 scale blocks (sb_n, sb_p: W rows
     per output column and per part), checked so that each part of a tile reads one scale block per K block."""
-    if g.bk != 128 or k_dim % 128:
-        raise EmitError(f"{what}.bk: FP8 K blocks are 128 wide (one scale per stage), got bk {g.bk}, K {k_dim}")
+    if g.bk != 128 or k_dim % 16:
+        raise EmitError(f"{what}.bk: FP8 K blocks are 128 wide (one scale per stage; K a multiple of 16), got bk "
+                        f"{g.bk}, K {k_dim}")
     if k_stride != 1:
         raise EmitError(f"{what}: FP8 wgmma reads K-major operands only (W needs a transposed copy)")
     if g.consumer != "cooperative" or a_gather:
@@ -250,7 +251,7 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
                         f"(got {g.consumer}, a_load {g.a_load})")
     sb_n, sb_p = n_stride // k_dim, p_stride // k_dim
     span = bn * sb_n
-    if n_stride % k_dim or p_stride % k_dim or 128 % span or not (sb_p % 128 == 0 or sb_p < sb_n):
+    if n_stride % k_dim or p_stride % k_dim or 128 % span or not (parts == 1 or sb_p % span == 0 or sb_p < sb_n):
         raise EmitError(f"{what}.bn: a tile's {bn} columns of each part must lie in one 128-row scale block of W "
                         f"({sb_n} W rows per column, parts {sb_p} rows apart)")
     w_rows = parts * n_out

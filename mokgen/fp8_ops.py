@@ -24,6 +24,11 @@ __all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "re
            "reference_quant_kernels", "quantize_rows", "quantize_used_rows", "quantize_gathered_rows", "quantize_w", "quantize_cols", "as_e4m3"]
 
 BLOCK = fp8.BLOCK
+VEC = 16   # the quantizers' vector: K (and W's N) must be multiples of it; 1x128 / 128x128 edge tiles may be partial
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
 
 
 def as_e4m3(q: torch.Tensor) -> torch.Tensor:
@@ -121,7 +126,7 @@ def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
     it (nothing to launch for an empty x)."""
     K = x.shape[1]
     q = torch.empty((rows, K), dtype=torch.uint8, device=x.device)
-    s = torch.empty((rows, K // BLOCK), dtype=torch.float32, device=x.device)
+    s = torch.empty((rows, _blocks(K)), dtype=torch.float32, device=x.device)
     if rows and K and x.shape[0]:
         with _stream(x):
             call(fns, kernel, x=x, **kw, q=q, s=s)
@@ -130,7 +135,7 @@ def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
 
 def quantize_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [rows, K] (K % 128 == 0) -> (q uint8 [rows, K] e4m3 bits, s fp32 [rows, K / 128]) by ``quant_rows``."""
-    _check("quantize_rows", "x", x, 2, {1: BLOCK})
+    _check("quantize_rows", "x", x, 2, {1: VEC})
     return _rows_launch(fns, "quant_rows", x, x.shape[0])
 
 
@@ -138,7 +143,7 @@ def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, m
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`quantize_rows` for rows of the padded row space, by ``quant_rows_used``: only the used rows,
     ``meta[0] * BM`` (read on the device), are read and written; the others of q and s stay uninitialized."""
-    _check("quantize_used_rows", "x", x, 2, {1: BLOCK})
+    _check("quantize_used_rows", "x", x, 2, {1: VEC})
     return _rows_launch(fns, "quant_rows_used", x, x.shape[0], meta=meta)
 
 
@@ -147,21 +152,21 @@ def quantize_gathered_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tenso
     """x bf16 [T, K] -> (q uint8 [rows, K], s fp32 [rows, K / 128]) with q[r] the quantized x[row_src[r]] for the
     used rows of the padded row space (meta[0] * BM, read on the device; padding rows quantize token 0), by
     ``quant_rows_gather``: GEMM 1's A operand. The other rows stay uninitialized."""
-    _check("quantize_gathered_rows", "x", x, 2, {1: BLOCK})
+    _check("quantize_gathered_rows", "x", x, 2, {1: VEC})
     return _rows_launch(fns, "quant_rows_gather", x, row_src.shape[0], row_src=row_src, meta=meta)
 
 
 def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False):
-    """w bf16 [G, N, K] (N, K % 128 == 0) -> (q uint8 [G, N, K], s fp32 [G, N/128, K/128]) by ``quant_w``; with
+    """w bf16 [G, N, K] (N, K % 16 == 0) -> (q uint8 [G, N, K], s fp32 [G, ceil(N/128), ceil(K/128)]) by ``quant_w``; with
     ``transpose=True`` by ``quant_wt``, and also (qt uint8 [G, K, N], st fp32 [G, K/128, N/128])."""
-    _check("quantize_w", "w", w, 3, {1: BLOCK, 2: BLOCK})
+    _check("quantize_w", "w", w, 3, {1: VEC, 2: VEC})
     G, N, K = w.shape
     dev = w.device
     q = torch.empty((G, N, K), dtype=torch.uint8, device=dev)
-    s = torch.empty((G, N // BLOCK, K // BLOCK), dtype=torch.float32, device=dev)
+    s = torch.empty((G, _blocks(N), _blocks(K)), dtype=torch.float32, device=dev)
     if transpose:
         qt = torch.empty((G, K, N), dtype=torch.uint8, device=dev)
-        st = torch.empty((G, K // BLOCK, N // BLOCK), dtype=torch.float32, device=dev)
+        st = torch.empty((G, _blocks(K), _blocks(N)), dtype=torch.float32, device=dev)
     if G and N and K:
         with _stream(w):
             if transpose:

@@ -173,37 +173,37 @@ ARGS: dict[str, tuple[Arg, ...]] = {
 # the FP8 quantization kernels (dtype fp8, templates/sm90/quant_*.py.j2): every size is symbolic (one compiled
 # kernel serves x, h and dO, or W1 and W2); BLOCK = 128, the blockwise recipe's tile (mokgen/fp8.py)
 _QUANT_W = (
-    _t("w", "bf16", "groups", "n", "k", doc="[G, N, K] bf16 weights (N, K multiples of 128)"),
+    _t("w", "bf16", "groups", "n", "k", doc="[G, N, K] bf16 weights (N, K multiples of 16; partial edge blocks as if zero-padded)"),
     _t("q", "u8", "groups", "n", "k", written=True, doc="[G, N, K] e4m3 bits"),
-    _t("s", "fp32", "groups", "n // BLOCK", "k // BLOCK", written=True, align=4,
+    _t("s", "fp32", "groups", "nblocks", "kblocks", written=True, align=4,
        doc="[G, N/128, K/128] power-of-two block scales"),
 )
 ARGS.update({
     "quant_rows": (
-        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (K a multiple of 128)"),
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (K a multiple of 16; a partial last 1x128 tile as if zero-padded)"),
         _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits"),
-        _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
-           doc="[rows, K/128] power-of-two scale per 1x128 tile"),
+        _t("s", "fp32", "rows", "cblocks", written=True, align=4,
+           doc="[rows, ceil(K/128)] power-of-two scale per 1x128 tile"),
     ),
     "quant_rows_used": (
-        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (K a multiple of 128): rows of the padded row space"),
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (K a multiple of 16): rows of the padded row space"),
         _META,
         _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits (the used rows, meta[0] * BM)"),
-        _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
+        _t("s", "fp32", "rows", "cblocks", written=True, align=4,
            doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)"),
     ),
     "quant_rows_gather": (
-        _t("x", "bf16", "tokens", "cols", doc="[T, K] bf16 token rows (K a multiple of 128)"),
+        _t("x", "bf16", "tokens", "cols", doc="[T, K] bf16 token rows (K a multiple of 16)"),
         _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes token 0)"),
         _META,
         _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits of the gathered rows (the used rows)"),
-        _t("s", "fp32", "rows", "cols // BLOCK", written=True, align=4,
+        _t("s", "fp32", "rows", "cblocks", written=True, align=4,
            doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)"),
     ),
     "quant_w": _QUANT_W,
     "quant_wt": _QUANT_W + (
         _t("qt", "u8", "groups", "k", "n", written=True, doc="[G, K, N] e4m3 bits of w transposed (qt[g,k,n] = q[g,n,k])"),
-        _t("st", "fp32", "groups", "k // BLOCK", "n // BLOCK", written=True, align=4,
+        _t("st", "fp32", "groups", "kblocks", "nblocks", written=True, align=4,
            doc="[G, K/128, N/128] the block scales transposed"),
     ),
     "quant_cols": (
@@ -228,11 +228,13 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
                                   "gemm1_train_fp8", "gemm2_fp8", "dgrad1_fp8", "dgrad2_fp8")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
-    "quant_rows": {"rows": None, "cols": "BLOCK"},
-    "quant_rows_used": {"rows": None, "cols": "BLOCK"},
-    "quant_rows_gather": {"tokens": None, "rows": None, "cols": "BLOCK"},
-    "quant_w": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
-    "quant_wt": {"groups": None, "n": "BLOCK", "k": "BLOCK"},
+    # the scale tensors' block counts (ceil(K / 128), ...) are symbols of their own: the kernels index them and
+    # never read their extents (a symbolic size takes no arithmetic in compile())
+    "quant_rows": {"rows": None, "cols": "16", "cblocks": None},
+    "quant_rows_used": {"rows": None, "cols": "16", "cblocks": None},
+    "quant_rows_gather": {"tokens": None, "rows": None, "cols": "16", "cblocks": None},
+    "quant_w": {"groups": None, "n": "16", "k": "16", "nblocks": None, "kblocks": None},
+    "quant_wt": {"groups": None, "n": "16", "k": "16", "nblocks": None, "kblocks": None},
     "quant_cols": {"rows": "BLOCK", "cols": "BLOCK"},
 }
 FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols")

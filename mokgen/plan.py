@@ -731,11 +731,13 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     TMA (GEMM 1's from the rows that quant_rows_gather gathered and quantized; one TMA box per row, a_load
     "tma_rows", measured 718 TFLOP/s on kimi-k2 against GEMM 2's 945 with tiles: bench/NOTES.md v11)."""
     n, k = _gemm_shape(spec, which) if which <= 2 else backward_shape(spec, ("dgrad1", "dgrad2")[which - 3])[1:]
+    # dgrad1's dSwiGLU epilogue needs whole tiles of ffn: 64 columns where 128 does not divide it (gpt-oss: 2880)
+    bn = FP8_BN if which != 3 or spec.ffn % FP8_BN == 0 else FP8_BN // 2
     fp8 = dataclasses.replace(
-        g, bn=FP8_BN, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
-        a_load="tma", n_tiles=-(-n // FP8_BN), k_tiles=k // FP8_BK,
+        g, bn=bn, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
+        a_load="tma", n_tiles=-(-n // bn), k_tiles=-(-k // FP8_BK),
         epi_n=g.epi_n if (FP8_BN // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
-        z_chunk=min(g.z_chunk, FP8_BN // 4))
+        z_chunk=min(g.z_chunk, bn // 4))
     most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
         (fp8.tile_m + fp8.bn) * fp8.bk)
     return dataclasses.replace(fp8, stages=max(MIN_STAGES, min(MAX_STAGES, most)))

@@ -185,7 +185,7 @@ def test_saturation_reference():
 
 def test_helpers_check_their_inputs():
     fns = fp8_ops.reference_quant_kernels()
-    with pytest.raises(ValueError, match=r"x.shape\[1\] must be a multiple of 128"):
+    with pytest.raises(ValueError, match=r"x.shape\[1\] must be a multiple of 16"):
         fp8_ops.quantize_rows(fns, torch.zeros(4, 100, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
         fp8_ops.quantize_rows(fns, torch.zeros(4, 128))
@@ -200,8 +200,7 @@ def test_helpers_check_their_inputs():
 
 
 @pytest.mark.parametrize("changes,fragment", [
-    ({"dtype": "fp8", "hidden": 1088}, "spec.hidden: must be a multiple of 128 with dtype fp8, got 1088: FP8 blocks are 128 wide"),
-    ({"dtype": "fp8", "ffn": 576}, "spec.ffn: must be a multiple of 128 with dtype fp8, got 576: FP8 blocks are 128 wide"),
+    ({"dtype": "fp8", "hidden": 1000}, "spec.hidden: must be a positive multiple of 64"),   # bf16's; 1088 is fine
     ({"dtype": "mxfp8"}, "spec.dtype: mxfp8 is the sm_100a (Blackwell) block-scaled format"),
     ({"dtype": "fp8", "archs": ["sm_100a"]}, "spec.archs[0]: dtype fp8"),
 ])
@@ -210,3 +209,21 @@ def test_spec_fp8_validation(changes, fragment):
         load_spec({**BASE, **changes})
     assert str(info.value).startswith(fragment) and "\n" not in str(info.value)
     assert load_spec({**BASE, "dtype": "fp8"}).dtype == "fp8" and load_spec(BASE).dtype == "bf16"
+    # dims that are not multiples of the 128-wide blocks: partial edge blocks (gpt-oss-120b's 2880)
+    assert load_spec({**BASE, "dtype": "fp8", "hidden": 1088, "ffn": 576}).hidden == 1088
+
+
+def test_partial_blocks_match_the_reference():
+    """K (and W's N) multiples of 16 but not of 128: the last 1x128 / 128x128 block is partial, as if
+    zero-padded (mokgen.fp8's edge semantics); the helpers allocate ceil(K / 128) scale blocks."""
+    fns = fp8_ops.reference_quant_kernels()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 2880, generator=g).bfloat16()
+    q, s = fp8_ops.quantize_rows(fns, x)
+    qr, sr = fp8.quantize_1x128(x, pow2=True)
+    assert s.shape == (7, 23) and torch.equal(s, sr) and torch.equal(q, qr.view(torch.uint8))
+    w = torch.randn(2, 2880, 5760 - 64, generator=g).bfloat16()
+    q, s, qt, st = fp8_ops.quantize_w(fns, w, transpose=True)
+    qr, sr = fp8.quantize_128x128(w, pow2=True)
+    assert s.shape == (2, 23, 45) and torch.equal(s, sr) and torch.equal(q, qr.view(torch.uint8))
+    assert torch.equal(qt, q.mT) and torch.equal(st, s.mT)

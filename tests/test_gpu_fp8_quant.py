@@ -139,10 +139,10 @@ def timed(fns, kernel, inputs, outputs, what):
     print(f"\n{kernel} {what}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s (reads + writes)")
 
 
-@pytest.mark.parametrize("rows,K", [(1000, 1024), (4096 + 37, 7168), (384, 128)])
+@pytest.mark.parametrize("rows,K", [(1000, 1024), (4096 + 37, 7168), (384, 128), (300, 2880)])
 def test_quant_rows(fns, rows, K):
     x = randn(rows, K, seed=rows)
-    out = {"q": ((rows, K), torch.uint8), "s": ((rows, K // 128), torch.float32)}
+    out = {"q": ((rows, K), torch.uint8), "s": ((rows, -(-K // 128)), torch.float32)}   # a partial last tile
     got = check(fns, "quant_rows", {"x": x}, out)
     q, s = fp8_ops.quantize_rows(fns, x)   # the helper: the same bits
     assert same_bits(q, got["q"]) and same_bits(s, got["s"])
@@ -152,19 +152,20 @@ def test_quant_rows(fns, rows, K):
                                               "s": ((TIMED_ROWS, K // 128), torch.float32)}, f"[{TIMED_ROWS}, {K}]")
 
 
-@pytest.mark.parametrize("G,N,K", [(3, 512, 1024), (2, 7168 // 2, 512)])
+@pytest.mark.parametrize("G,N,K", [(3, 512, 1024), (2, 7168 // 2, 512), (2, 2880, 5760 - 64)])
 @pytest.mark.parametrize("kernel", ["quant_w", "quant_wt"])
 def test_quant_w(fns, kernel, G, N, K):
     w = randn(G, N, K, seed=G * N + K)
-    out = {"q": ((G, N, K), torch.uint8), "s": ((G, N // 128, K // 128), torch.float32)}
+    nb, kb = -(-N // 128), -(-K // 128)   # partial edge blocks where 128 does not divide N / K
+    out = {"q": ((G, N, K), torch.uint8), "s": ((G, nb, kb), torch.float32)}
     if kernel == "quant_wt":
-        out.update(qt=((G, K, N), torch.uint8), st=((G, K // 128, N // 128), torch.float32))
+        out.update(qt=((G, K, N), torch.uint8), st=((G, kb, nb), torch.float32))
     got = check(fns, kernel, {"w": w}, out)
     if kernel == "quant_wt":
         assert torch.equal(got["qt"], got["q"].mT) and same_bits(got["st"], got["s"].mT.contiguous())
         res = fp8_ops.quantize_w(fns, w, transpose=True)
         assert all(same_bits(a, got[n]) for a, n in zip(res, ("q", "s", "qt", "st")))
-    if G == 2:
+    if (G, N) == (2, 7168 // 2):
         Gb, Nb, Kb = 8, 4096, 7168
         big = torch.randn(Gb, Nb, Kb, device=DEV).to(torch.bfloat16)
         bout = {"q": ((Gb, Nb, Kb), torch.uint8), "s": ((Gb, Nb // 128, Kb // 128), torch.float32)}
