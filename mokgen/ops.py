@@ -403,7 +403,8 @@ class _DeviceState:
 
 
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
-FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")   # what the FP8 forward launches besides its GEMMs (mokgen/fp8_ops.py)
+# what an FP8 layer launches besides its GEMMs (mokgen/fp8_ops.py)
+FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
 
 
 def is_fp8(plan: Any) -> bool:
@@ -414,11 +415,12 @@ def is_fp8(plan: Any) -> bool:
 class _Fp8Weights:
     """The e4m3 copies of the BF16 master weights one CompiledMoE has been called with, per weight tensor:
     re-quantized when the tensor's version counter (bumped by every in-place update, ``optimizer.step()``
-    included), storage or shape changes, so a copy is never stale. Weakly keyed: a dropped weight drops its copy.
+    included), storage or shape changes, so a copy is never stale. Keyed by the tensor object (weakly: a dropped
+    weight drops its copy); another tensor object with the same storage gets its own copy.
     Inside a CUDA-graph capture nothing is cached: the quantization is captured and reruns on every replay."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple] = {}   # id(w) -> (weakref to w, key, q, s)
+        self._by_id: dict[int, tuple] = {}   # id(w) -> (weakref to w, key, (q, s) or (q, s, qt, st))
 
     def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False) -> tuple:
         """``(q, s)`` of w, or with ``transpose`` ``(q, s, qt, st)`` (also the K-major copy of w transposed, which
