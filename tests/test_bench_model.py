@@ -32,8 +32,12 @@ def test_dry_run_writes_records(tmp_path):
     out = tmp_path / "model.json"
     assert BM.main(["--dry-run", "--out", str(out), "--rounds", "2", "--steps", "5"]) == 0
     recs = json.loads(out.read_text())
-    assert [r["impl"] for r in recs] == ["grouped_mm", "mokgen"]   # liger needs CUDA
+    assert [r["impl"] for r in recs] == ["no_experts", "grouped_mm", "mokgen"]   # liger needs CUDA
+    ref, recs = recs[0], recs[1:]
+    assert ref["speedup_vs_grouped_mm"] is None and ref["experts_ms"] is None and "error" not in ref
     for r in recs:
+        assert r["experts_ms"] == pytest.approx(r["median_ms"] - ref["median_ms"])
+        assert r["experts_share"] == pytest.approx(r["experts_ms"] / r["median_ms"])
         assert "error" not in r, r.get("error")
         for f in BM.RECORD_FIELDS:
             assert f in r, f

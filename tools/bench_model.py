@@ -32,6 +32,12 @@ ones include mokgen's kernel load or compile, Triton's JIT, the optimizer's stat
 time), and records the median of the rounds' medians (``round_ms``). Ratios are measured in this run:
 ``speedup_vs_grouped_mm`` / ``speedup_vs_liger`` = that implementation's median_ms / this one's.
 
+The experts' share of the step: ``no_experts`` trains the same model with every experts module returning zeros
+(``hidden_states * 0``: the router, its top-k and everything outside the experts still run, forward and
+backward); for each other implementation ``experts_ms`` = its median_ms - no_experts' median_ms (what its experts
+cost per step, forward + backward + their optimizer update) and ``experts_share`` = experts_ms / median_ms.
+no_experts' own losses are not a model's: it is a timing reference only.
+
 Records (one per implementation, APPENDED to the JSON list in ``--out``; '-' writes nothing): gpu, date,
 versions (torch, cuda, triton, CuTe DSL, mokgen git sha, transformers, liger-kernel), shape, dims, impl,
 median_ms, tokens_per_s, speedup_vs_grouped_mm, speedup_vs_liger, losses (every step's), final_loss,
@@ -68,11 +74,11 @@ import bench_forward as BF  # noqa: E402  (puts the repository root on sys.path 
 import torch  # noqa: E402
 
 DEFAULT_OUT = "bench/results/model-h200.json"
-IMPLS = ["grouped_mm", "mokgen", "liger"]   # the run order: liger last (its patch replaces a class)
+IMPLS = ["no_experts", "grouped_mm", "mokgen", "liger"]   # the run order: liger last (its patch replaces a class)
 RECORD_FIELDS = ["gpu", "date", "versions", "shape", "dims", "impl", "median_ms", "tokens_per_s",
                  "speedup_vs_grouped_mm", "speedup_vs_liger", "losses", "final_loss",
                  "loss_max_rel_diff_vs_grouped_mm", "step_ms", "round_ms", "steps", "warmup_steps", "peak_mem_mb",
-                 "init_checksum", "optimizer", "timing"]
+                 "init_checksum", "optimizer", "timing", "experts_ms", "experts_share"]
 DRY = dict(hidden=256, layers=2, experts=8, topk=2, moe_intermediate=128, vocab=512, batch=2, seq=64, steps=4,
            warmup_steps=1)
 PERIOD = 64   # the synthetic sequences repeat a random segment of this many tokens
@@ -105,10 +111,32 @@ def build_model(cfg: Any, device: torch.device, seed: int, impl: str) -> torch.n
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+    backend = "grouped_mm" if impl in ("liger", "no_experts") else impl
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
-                                                 experts_implementation="grouped_mm" if impl == "liger" else impl)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, experts_implementation=backend)
+    if impl == "no_experts":
+        drop_experts(model)
     return model.train()
+
+
+def _zero_experts(self, hidden_states, top_k_index, top_k_weights):
+    """The no_experts timing reference: an experts module that costs (almost) nothing."""
+    return hidden_states * 0
+
+
+def drop_experts(model: torch.nn.Module) -> int:
+    """Make every experts module of ``model`` return zeros (the ``no_experts`` reference); their count."""
+    import types
+
+    n = 0
+    for layer in model.model.layers:
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None:
+            experts.forward = types.MethodType(_zero_experts, experts)
+            n += 1
+    if not n:
+        raise RuntimeError("no experts modules found (model.model.layers[i].mlp.experts)")
+    return n
 
 
 def checksum(model: torch.nn.Module) -> float:
@@ -260,8 +288,13 @@ def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict
         ms = med[impl]
         losses = first["losses"]
         diff = None
-        if base_losses and impl != "grouped_mm":
+        if base_losses and impl not in ("grouped_mm", "no_experts"):
             diff = max(abs(x - y) / abs(y) for x, y in zip(losses, base_losses) if y)
+        ref_ms = med.get("no_experts")
+        if impl != "no_experts" and ref_ms is not None:
+            rec.update(experts_ms=ms - ref_ms, experts_share=(ms - ref_ms) / ms)
+        else:
+            rec.update(experts_ms=None, experts_share=None)
         rec.update(median_ms=ms, tokens_per_s=a.batch * a.seq / (ms * 1e-3),
                    speedup_vs_grouped_mm=(med["grouped_mm"] / ms) if med.get("grouped_mm") else None,
                    speedup_vs_liger=(med["liger"] / ms) if med.get("liger") else None,
@@ -269,6 +302,8 @@ def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict
                    step_ms=first["step_ms"], round_ms=[rr["median_ms"] for rr in r["rounds"]],
                    peak_mem_mb=first["peak_mem_mb"], init_checksum=first["init_checksum"],
                    optimizer=first["optimizer"])
+        if impl == "no_experts":   # a timing reference, not a model: no ratios, no loss comparison
+            rec.update(speedup_vs_grouped_mm=None, speedup_vs_liger=None)
         if not all(math.isfinite(v) for v in losses):
             rec["error"] = "non-finite loss"
         out.append(rec)
@@ -280,8 +315,8 @@ def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict
 
 
 def print_table(recs: list[dict[str, Any]], title: str) -> None:
-    header = ["shape", "impl", "ms/step", "tokens/s", "vs grouped_mm", "vs liger", "loss first->last",
-              "max loss diff", "peak MiB"]
+    header = ["shape", "impl", "ms/step", "tokens/s", "vs grouped_mm", "vs liger", "experts ms (share)",
+              "loss first->last", "max loss diff", "peak MiB"]
     rows = []
     for r in recs:
         if r.get("error") and r.get("median_ms") is None:
@@ -290,6 +325,7 @@ def print_table(recs: list[dict[str, Any]], title: str) -> None:
         rows.append([r["shape"], r["impl"], f"{r['median_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
                      "-" if r["speedup_vs_grouped_mm"] is None else f"{r['speedup_vs_grouped_mm']:.2f}x",
                      "-" if r["speedup_vs_liger"] is None else f"{r['speedup_vs_liger']:.2f}x",
+                     "-" if r.get("experts_ms") is None else f"{r['experts_ms']:.2f} ({r['experts_share']:.0%})",
                      f"{r['losses'][0]:.3f} -> {r['final_loss']:.3f}",
                      "-" if r["loss_max_rel_diff_vs_grouped_mm"] is None
                      else f"{r['loss_max_rel_diff_vs_grouped_mm']:.2e}",
@@ -318,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="train every implementation this many times, "
                     "interleaved, and record the median of the rounds (default 1)")
-    ap.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)} (no_experts: the "
+                    "timing reference for the experts' share)")
     ap.add_argument("--liger-full", action="store_true", help="all of Liger's qwen3_moe kernels (rope, rms_norm, "
                     "fused linear cross entropy, experts), not only its experts")
     ap.add_argument("--liger-autotune", action="store_true", help="LIGER_FUSED_MOE_AUTOTUNE=1 (default 0)")
