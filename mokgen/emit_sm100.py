@@ -1,8 +1,9 @@
 """Blackwell (sm_100a) kernel sources, rendered from ``templates/sm100/`` (issue 20; CPU compile-verified only).
 
 Not wired into :func:`mokgen.emit.emit` yet (its arch check stays sm_90a until the sm_100a forms of every kernel
-exist): :func:`render_grouped_gemm` renders the sm_100a expert-grouped GEMM 2 (``templates/sm100/grouped_gemm.py.j2``)
-for a plan solved with ``mokgen.plan.solve(spec, "sm_100a")``, with the parameter names the sm_90a
+exist): :func:`render_grouped_gemm` renders the sm_100a expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
+z for training) and GEMM 2 (routing weight) from one template (``templates/sm100/grouped_gemm.py.j2``) for a plan
+solved with ``mokgen.plan.solve(spec, "sm_100a")``, with the parameter names the sm_90a
 ``_grouped_params`` computes, so the two templates share one render context as far as their features overlap.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels
-from .emit import EmitError, _environment, _header, template_hash
+from .emit import EmitError, _activation, _environment, _header, _w1_strides, template_hash
 from .plan import Plan, get_arch
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
@@ -20,52 +21,86 @@ TMEM_COLUMNS = 512    # fp32 columns of tensor memory per SM
 BARRIER_BYTES = 1024
 
 
-def smem_bytes(bn: int, bk: int, stages: int, epi_n: int, epi_stages: int) -> int:
-    """Shared memory of the sm_100a grouped GEMM: the A + W stage ring, the epilogue buffers, the barriers."""
-    return stages * (UMMA_M + bn) * bk * 2 + UMMA_M * epi_n * 2 * epi_stages + BARRIER_BYTES
+def smem_bytes(bn: int, bk: int, stages: int, epi_n: int, epi_stages: int, parts: int = 1) -> int:
+    """Shared memory of the sm_100a grouped GEMM: the A + W stage ring (`parts` W boxes of `bn` rows per stage),
+    the epilogue buffers, the barriers."""
+    return stages * (UMMA_M + parts * bn) * bk * 2 + UMMA_M * epi_n * 2 * epi_stages + BARRIER_BYTES
 
 
-def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages: int | None = None) -> dict[str, Any]:
-    """The render context of templates/sm100/grouped_gemm.py.j2 for forward GEMM `which` of `plan` (2 only so
-    far: h . W2 with the routing weight, and the bias when the spec has one). `bn` / `stages` override the plan's
-    tile N and ring depth (e.g. a 256-wide tile whose last N tile is partial)."""
-    if which != 2:
-        raise EmitError(f"render_grouped_gemm: only GEMM 2 has an sm_100a template so far, got which={which}")
+def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages: int | None = None,
+                   save_z: bool = False) -> dict[str, Any]:
+    """The render context of templates/sm100/grouped_gemm.py.j2 for forward GEMM `which` of `plan`.
+
+    which=2: h . W2 with the routing weight (and the bias when the spec has one); `bn` is the tile N.
+    which=1: xg . W1 (gate and up parts, two TMEM accumulators per tile) with the SwiGLU epilogue (bias per W1 row
+    when the spec has one); `save_z` also stores z in W1's row order (table gemm1_train). A is always the
+    pre-gathered xg [rows, H] by plain TMA tiles (sm_90a a_load "tma"), whatever the plan's a_load. `bn` is the N
+    per part (default: half the plan's gemm1.bn, which counts gate + up as on sm_90a).
+    `bn` / `stages` override the plan's tile N and ring depth (e.g. a 256-wide GEMM 2 tile whose last N tile is
+    partial)."""
+    if which not in (1, 2):
+        raise EmitError(f"render_grouped_gemm: which is 1 or 2 (the forward GEMMs), got which={which}")
+    if save_z and which != 1:
+        raise EmitError("render_grouped_gemm: save_z is GEMM 1's (which=1)")
     if plan.arch != "sm_100a":
         raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
     spec = plan.spec
     if spec.dtype != "bf16":
         raise EmitError(f"spec.dtype: the sm_100a grouped GEMM is BF16 only so far, got {spec.dtype!r}")
-    g = plan.gemm2
     H, I = spec.hidden, spec.ffn
-    bn = g.bn if bn is None else bn
+    parts = 2 if which == 1 else 1
+    g = plan.gemm1 if which == 1 else plan.gemm2
+    what = f"plan.gemm{which}"
+    if bn is None:
+        if g.bn % parts:
+            raise EmitError(f"{what}.bn: must be even (gate and up halves), got {g.bn}")
+        bn = g.bn // parts
     stages = g.stages if stages is None else stages
-    what = "plan.gemm2"
+    n_out, k_dim = (I, H) if which == 1 else (H, I)
     if bn % 16 or not 16 <= bn <= 256:
         raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
-    if ACC_STAGES * bn > TMEM_COLUMNS:
-        raise EmitError(f"{what}.bn: {ACC_STAGES} accumulators of {bn} columns exceed {TMEM_COLUMNS} TMEM columns")
+    if ACC_STAGES * parts * bn > TMEM_COLUMNS:
+        raise EmitError(f"{what}.bn: {ACC_STAGES} x {parts} accumulators of {bn} columns exceed {TMEM_COLUMNS} TMEM "
+                        f"columns")
     if plan.bm % UMMA_M:
         raise EmitError(f"plan.bm: routing tiles of {plan.bm} rows are not a multiple of the {UMMA_M}-row UMMA tile")
-    if I % g.bk or g.bk % 16:
-        raise EmitError(f"{what}.bk: {g.bk} must divide K={I} and be a multiple of the UMMA K (16)")
+    if k_dim % g.bk or g.bk % 16:
+        raise EmitError(f"{what}.bk: {g.bk} must divide K={k_dim} and be a multiple of the UMMA K (16)")
     if bn % g.epi_n:
         raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
-    smem = smem_bytes(bn, g.bk, stages, g.epi_n, g.epi_stages)
+    if which == 1 and n_out % bn:
+        raise EmitError(f"{what}.bn: the SwiGLU epilogue needs whole N tiles, {bn} per part does not divide ffn {I}")
+    smem = smem_bytes(bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
     limit = get_arch(plan.arch).smem_per_cta
     if smem > limit:
         raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
+    if which == 1:
+        n_stride, p_stride = _w1_strides(spec)
+        g_stride = 2 * I * H
+    else:
+        n_stride, p_stride, g_stride = I, H * I, H * I
+    z_n, z_p = (s // H for s in _w1_strides(spec))
+    if which == 1 and z_n == 1 and z_p % g.epi_n:
+        raise EmitError(f"{what}.epi_n: {g.epi_n} must divide the up block's offset {z_p} in z (concat)")
+    activation, act_limit = _activation(spec)
+    table = ("gemm1_train" if save_z else "gemm1") if which == 1 else "gemm2"
     return dict(
-        args=kernels.ARGS["gemm2"],
-        symbols=kernels.SYMBOLS["gemm2"],
-        n_out=H,
-        k_dim=I,
+        args=kernels.ARGS[table],
+        symbols=kernels.SYMBOLS[table],
+        n_out=n_out,
+        k_dim=k_dim,
         groups=spec.groups,
-        parts=1,
-        n_stride=I,
+        parts=parts,
+        n_stride=n_stride,
         k_stride=1,
-        g_stride=H * I,
-        epilogue="weight",
+        p_stride=p_stride,
+        g_stride=g_stride,
+        epilogue="swiglu" if which == 1 else "weight",
+        save_z=save_z,
+        z_n=z_n,
+        z_p=z_p,
+        activation=activation,
+        act_limit=act_limit,
         has_bias=bool(spec.bias),
         bm=UMMA_M,
         group_m=plan.bm,
@@ -76,21 +111,26 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         epi_n=g.epi_n,
         epi_stages=g.epi_stages,
         raster=max(1, g.raster_group * (plan.bm // UMMA_M)),
-        n_tiles=-(-H // bn),
-        k_tiles=I // g.bk,
+        n_tiles=-(-n_out // bn),
+        k_tiles=k_dim // g.bk,
     )
 
 
 def render_grouped_gemm(plan: Plan, which: int = 2, *, bn: int | None = None, stages: int | None = None,
-                        name: str | None = None) -> str:
+                        save_z: bool = False, name: str | None = None) -> str:
     """The sm_100a kernel source of forward GEMM `which` for `plan` (a standalone CuTe DSL module defining
-    ``KERNEL_NAME`` and ``compile(arch)``, as every emitted kernel; docs/contract.md)."""
-    params = grouped_params(plan, which, bn=bn, stages=stages)
-    name = name or f"gemm{which}"
+    ``KERNEL_NAME`` and ``compile(arch)``, as every emitted kernel; docs/contract.md); which=1 with `save_z`:
+    GEMM 1 for training (``gemm1_train``)."""
+    params = grouped_params(plan, which, bn=bn, stages=stages, save_z=save_z)
+    name = name or ("gemm1_train" if save_z else f"gemm{which}")
     spec = plan.spec
+    if which == 1:
+        title = (f"GEMM 1 of {spec.name} (sm_100a): gathered token rows x W1 (gate, up), SwiGLU epilogue -> h"
+                 + (", saving the pre-activation z for the backward" if save_z else ""))
+    else:
+        title = f"GEMM 2 of {spec.name} (sm_100a): h x W2, routing weight in the epilogue -> ys"
     return _environment().get_template(TEMPLATE).render(
-        header=_header(plan, TEMPLATE, template_hash()), name=name, spec_name=spec.name,
-        title=f"GEMM {which} of {spec.name} (sm_100a): h x W2, routing weight in the epilogue -> ys", **params)
+        header=_header(plan, TEMPLATE, template_hash()), name=name, spec_name=spec.name, title=title, **params)
 
 
 def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:

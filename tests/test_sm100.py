@@ -1,5 +1,5 @@
-"""Blackwell (sm_100a) grouped GEMM 2 (templates/sm100/grouped_gemm.py.j2, mokgen/emit_sm100.py): rendered from a
-plan solved for sm_100a, built offline with mokgen's build machinery, its PTX carrying the tcgen05 / TMA / mbarrier
+"""Blackwell (sm_100a) grouped GEMMs 1 and 2 (templates/sm100/grouped_gemm.py.j2, mokgen/emit_sm100.py): rendered
+from a plan solved for sm_100a, built offline with mokgen's build machinery, its PTX carrying the tcgen05 / TMA / mbarrier
 instructions of the design; and the kernel's tile math against a Python model. CPU only: nothing here runs the
 kernel (no Blackwell GPU yet)."""
 from __future__ import annotations
@@ -22,6 +22,9 @@ CASES = [("kimi-k2", {}), ("gpt-oss-120b", {"bn": 256, "stages": 4})]
 PTX_WANTED = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.relinquish_alloc_permit", "tcgen05.ld",
               "tcgen05.wait::ld", "tcgen05.commit", "cp.async.bulk.tensor", "mbarrier.try_wait",
               "mbarrier.arrive.expect_tx")
+# GEMM 1 (which=1): kimi-k2 (concat gate/up, plain swiglu), gpt-oss-120b (interleaved, bias, swiglu_oai: N 2880 =
+# 30 tiles of 96 per part), and kimi-k2's GEMM 1 for training (save_z: z in W1's concat row order)
+G1_CASES = [("kimi-k2", {}), ("gpt-oss-120b", {}), ("kimi-k2", {"save_z": True})]
 
 
 def _plan(name):
@@ -58,10 +61,44 @@ def test_render_follows_the_plan(name, kw):
     assert render_grouped_gemm(plan, **kw) == src  # deterministic
 
 
+@pytest.mark.parametrize("name,kw", G1_CASES)
+def test_render_gemm1_follows_the_plan(name, kw):
+    plan = _plan(name)
+    src = render_grouped_gemm(plan, 1, **kw)
+    compile(src, "gemm1.py", "exec")
+    spec = plan.spec
+    save_z = kw.get("save_z", False)
+    table = "gemm1_train" if save_z else "gemm1"
+    bn = plan.gemm1.bn // 2  # the plan's gemm1.bn counts gate + up
+    assert f'KERNEL_NAME = "{table}"' in src and f"N_OUT = {spec.ffn}" in src and f"K_DIM = {spec.hidden}" in src
+    assert "PARTS = 2" in src and 'EPILOGUE = "swiglu"' in src and f"SAVE_Z = {save_z}" in src
+    assert f"BN = {bn}" in src and f"N_TILES = {spec.ffn // bn}" in src and f"HAS_BIAS = {bool(spec.bias)}" in src
+    # the two accumulators of both ACC_STAGES fit in TMEM
+    assert 2 * 2 * bn <= 512
+    # W1's row blocks: concat (gate rows n, up rows I + n) or interleaved (2n, 2n + 1); z / bias in that order
+    concat = spec.gate_up_layout == "concat"
+    assert f"N_STRIDE = {spec.hidden if concat else 2 * spec.hidden}" in src
+    assert f"P_STRIDE = {spec.ffn * spec.hidden if concat else spec.hidden}" in src
+    assert f"Z_N = {1 if concat else 2}" in src and f"Z_P = {spec.ffn if concat else 1}" in src
+    assert "def activation(" in src and ("1.702" in src) == (spec.activation == "swiglu_oai")
+    assert ("mZ: cute.Tensor" in src) == save_z
+    from mokgen import kernels
+
+    sig = re.search(r"def launch\((.*?)\):", src, re.S).group(1)
+    assert re.findall(r"^\s+(\w+):", sig, re.M) == [*kernels.names(table), "stream"]
+    assert render_grouped_gemm(plan, 1, **kw) == src
+
+
 def test_render_rejects_what_the_template_cannot_do():
     plan = _plan("kimi-k2")
     with pytest.raises(EmitError, match="which"):
-        grouped_params(plan, 1)
+        grouped_params(plan, 3)
+    with pytest.raises(EmitError, match="save_z"):
+        grouped_params(plan, 2, save_z=True)
+    with pytest.raises(EmitError, match="TMEM"):  # 2 parts x 2 buffers x 192 columns > 512
+        grouped_params(plan, 1, bn=192, stages=2)
+    with pytest.raises(EmitError, match="whole N tiles"):  # 2048 is not a multiple of 96
+        grouped_params(plan, 1, bn=96)
     with pytest.raises(EmitError, match="sm_100a"):
         grouped_params(solve(load_spec("kimi-k2"), "sm_90a"))
     with pytest.raises(EmitError, match="shared memory"):
@@ -90,6 +127,16 @@ def test_tile_math_matches_the_model(name, kw, tmp_path):
             assert sorted(seen) == sorted(walk)
 
 
+def test_gemm1_tile_math_matches_the_model(tmp_path):
+    pytest.importorskip("cutlass")
+    mod = _module(render_grouped_gemm(_plan("gpt-oss-120b"), 1), tmp_path, "gpt_oss_gemm1")
+    assert mod.N_TILES == 30 and mod.PARTS == 2 and mod.ACC_BUFS * mod.BN <= mod.TMEM_COLS == 512
+    for used in (1, mod.RASTER + 1):
+        num_m = used * mod.M_SUB
+        walk = [mod.tile_mn(r, num_m) for r in range(mod.tile_count(used))]
+        assert walk == tile_walk(num_m, mod.N_TILES, mod.RASTER)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,kw", CASES)
 def test_grouped_gemm_compiles_for_sm100a(name, kw, tmp_path):
@@ -115,3 +162,43 @@ def test_grouped_gemm_compiles_for_sm100a(name, kw, tmp_path):
     assert "cp.async.bulk.tensor.3d.shared::cta.global" in ptx and "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
     if load_spec(name).bias:
         assert ptx.count("ld.global") > 200  # the per-column bias loads of every epilogue slice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", G1_CASES)
+def test_gemm1_compiles_for_sm100a(name, kw, tmp_path):
+    """GEMM 1 built for sm_100a: the PTX has the UMMA / TMEM / TMA / mbarrier instructions, two MMAs per k-block
+    (gate and up parts), the W1 boxes as 4d TMA loads (N, K, part, group), the activation's MUFU ops; with a bias
+    the per-W1-row bias loads; with save_z the 16-byte vector stores of z."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    spec = load_spec(name)
+    save_z = kw.get("save_z", False)
+    table = "gemm1_train" if save_z else "gemm1"
+    plan = _plan(name)
+    src = render_grouped_gemm(plan, 1, **kw)
+    art = build.build({f"{table}.py": src}, "sm_100a", tmp_path, progress=False)
+    report = build.ptx_report(art)[table]
+    assert report["target"] and report["tcgen05"] and report["cp.async.bulk.tensor"] and report["mbarrier"], report
+    ptx = (Path(art.dir) / f"{table}.ptx").read_text()
+    assert re.search(r"^\.target\s+sm_100a\b", ptx, re.M)
+    missing = [s for s in PTX_WANTED if s not in ptx]
+    assert not missing, missing
+    assert "wgmma" not in ptx
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "tcgen05.ld.sync.aligned.32x32b" in ptx
+    # one tcgen05.wait::ld per epilogue slice covers the slice's two loads (gate, up)
+    bn, epi_n = plan.gemm1.bn // 2, plan.gemm1.epi_n
+    assert ptx.count("tcgen05.ld.sync") == 2 * ptx.count("tcgen05.wait::ld") == 2 * (bn // epi_n)
+    # A: 2d TMA tiles of xg; W1: 4d (N, K, part, group) loads, one per part; h: 2d TMA stores
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx and "cp.async.bulk.tensor.4d.shared::cta.global" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+    # the activation of every value of a slice: one ex2 and one rcp each
+    assert ptx.count("ex2.approx") >= bn and ptx.count("rcp.approx") >= bn
+    if spec.bias:
+        assert ptx.count("ld.global") >= 2 * bn  # a gate and an up bias per column
+    if save_z:
+        # per slice a thread stores EPI_N gate and EPI_N up values of its row: 16-byte vectors
+        assert ptx.count("st.global.v4") == (bn // epi_n) * 2 * (epi_n * 2 // 16)
+    else:
+        assert "st.global" not in ptx  # h goes out through TMA stores only
