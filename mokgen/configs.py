@@ -91,6 +91,11 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
             out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
+    if "dgrad1_z_chunk" in cfg and not out:   # against the FP8 dgrad1's tile
+        d1 = P.solve(spec, arch).backward.dgrad1
+        if (d1.bn // 4) % cfg["dgrad1_z_chunk"]:
+            out.append(f"dgrad1_z_chunk: {cfg['dgrad1_z_chunk']} does not divide the {d1.bn // 4} z pairs a thread "
+                       f"holds (FP8 dgrad1 bn {d1.bn})")
     wgrad = {k: v for k, v in cfg.items() if k.startswith("wgrad")}
     if not out and wgrad:   # the BF16 weight-gradient GEMMs: their own constraints
         out += _check_backward_config(spec, arch, wgrad)

@@ -660,13 +660,24 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                             f"is {spec.dtype}")
         return _solve(spec, arch, **overrides)
     a = _fp8_arch(arch)
-    rest = {k: v for k, v in overrides.items() if k not in promote_keys}
+    # dgrad1's z chunk applies to the FP8 dgrad1's tile (fp8_gemm's), not to the BF16 tile it replaces
+    z_chunk = overrides.get("dgrad1_z_chunk")
+    rest = {k: v for k, v in overrides.items() if k not in promote_keys and k != "dgrad1_z_chunk"}
     if not rest:
         plan = candidates(spec, arch)[0]
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
         plan = _solve(spec, arch, **{"consumer": "cooperative", **rest})
         plan = fp8_plan(spec, a, dataclasses.replace(
             plan, notes=tuple(n for n in plan.notes if n != "overrides: consumer=cooperative")))
+    if z_chunk is not None and plan.backward is not None:
+        d1 = plan.backward.dgrad1
+        z = _int_override("dgrad1_z_chunk", z_chunk)
+        legal = _SPACE.values("z_chunk", "dgrad1")
+        if z not in legal or (d1.bn // 4) % z:
+            raise PlanError(f"plan.dgrad1_z_chunk: must be one of {', '.join(map(str, legal))} dividing the "
+                            f"{d1.bn // 4} z pairs a thread holds (FP8 dgrad1 bn {d1.bn}), got {z}")
+        plan = dataclasses.replace(plan, backward=dataclasses.replace(
+            plan.backward, dgrad1=dataclasses.replace(d1, z_chunk=z)))
     promotes = _SPACE.values("promote", "gemm1")
     g1, g2 = plan.gemm1, plan.gemm2
     for which in (1, 2):   # W-tile multicast to M-tile pairs (the BF16 knob; fp8_gemm starts from cluster 1)
