@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import reference
+from . import fp8_ops, reference
 from .kernels import call
 from .reference import LayerConfig, layer_config
 
@@ -427,8 +427,6 @@ class _Fp8Weights:
         the FP8 dgrad GEMMs read), from the cache when w has not changed since they were made."""
         import weakref
 
-        from . import fp8_ops
-
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return fp8_ops.quantize_w(fns, w, transpose=transpose)
         key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
@@ -769,8 +767,6 @@ class CompiledMoE:
         """The FP8 forward GEMMs: x's rows gathered and quantized per 1 x 128 into the padded row space, the
         weights' e4m3 copies (:class:`_Fp8Weights`), GEMM 1 -> h (bf16; with ``z``, the training form saving z),
         h quantized per 1 x 128, GEMM 2 -> ys."""
-        from . import fp8_ops
-
         f = self._fns
         xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
         t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
@@ -948,8 +944,6 @@ class CompiledMoE:
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
             ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
             if self.fp8:   # dO's rows gathered and quantized; W2's K-major transposed e4m3 copy
-                from . import fp8_ops
-
                 dq, dsc = fp8_ops.quantize_gathered_rows(f, dy, sv.row_src, sv.meta)
                 w2t, w2ts = self._fp8_weights.get(f, w2, transpose=True)[2:]
                 call(f, "dgrad1", table="dgrad1_fp8", a=dq, w=w2t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,

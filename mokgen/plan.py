@@ -747,7 +747,7 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     fp8 = dataclasses.replace(
         g, bn=bn, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
         a_load="tma", n_tiles=-(-n // bn), k_tiles=-(-k // FP8_BK),
-        epi_n=g.epi_n if (FP8_BN // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
+        epi_n=g.epi_n if (bn // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
         z_chunk=min(g.z_chunk, bn // 4))
     most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
         (fp8.tile_m + fp8.bn) * fp8.bk)
