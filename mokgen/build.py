@@ -49,6 +49,8 @@ __all__ = [
     "resolve_arch",
     "check_arch",
     "ptx_report",
+    "ptxas_report",
+    "ptxas_advisories",
     "kernel_files",
     "LIB_NAME",
     "SUPPORTED_ARCHS",
@@ -453,6 +455,67 @@ def ptx_report(artifacts: Artifacts | str | os.PathLike) -> dict[str, dict[str, 
         row["target"] = bool(arch) and re.search(rf"^\.target\s+{re.escape(arch)}\b", text, re.M) is not None
         report[k] = row
     return report
+
+
+_PTXAS_VERSION_RE = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
+# ptxas's performance advisories about the wgmma pipeline: C7514 (wgmma serialized), C7515-C7520 (waits injected,
+# pipeline broken across calls / branches). Any of them in a GEMM means its tensor cores wait on every wgmma.
+_PTXAS_ADVISORY_RE = re.compile(r"\((C75\d\d)\)\s*(.*)")
+
+
+def find_ptxas() -> str | None:
+    """The ptxas to check PTX with: ``$MOKGEN_PTXAS``, else ``ptxas`` on PATH, else None."""
+    env = os.environ.get("MOKGEN_PTXAS")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    return shutil.which("ptxas")
+
+
+def ptxas_advisories(ptx: str, arch: str, ptxas: str | None = None) -> list[str] | None:
+    """ptxas's wgmma performance advisories for one kernel's PTX (``["C7514 ...", ...]``; ``[]`` when clean), or
+    None when no ptxas is available. The DSL assembles its PTX with its own ptxas; this runs an independent one
+    (``find_ptxas``) only to read the advisories. A PTX ``.version`` newer than that ptxas knows is lowered to the
+    newest it names (the header only: the instructions of our kernels exist in both)."""
+    ptxas = ptxas or find_ptxas()
+    if not ptxas:
+        return None
+    with tempfile.TemporaryDirectory(prefix="mokgen-ptxas.") as td:
+        src = Path(td) / "k.ptx"
+        for _ in range(2):
+            src.write_text(ptx)
+            r = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(td) / "k.cubin")],
+                               capture_output=True, text=True)
+            m = _PTXAS_VERSION_RE.search(r.stderr)
+            if r.returncode != 0 and m:
+                ptx = re.sub(r"^\.version\s+\S+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
+                continue
+            break
+        if r.returncode != 0:
+            raise BuildError(f"ptxas ({ptxas}) rejected the PTX: {r.stderr.strip().splitlines()[-1:]}")
+    found = []
+    for line in r.stderr.splitlines():
+        m = _PTXAS_ADVISORY_RE.search(line)
+        if m:
+            found.append(f"{m.group(1)} {m.group(2).split(' in function')[0].split(' in the function')[0]}")
+    return sorted(set(found))
+
+
+def ptxas_report(artifacts: Artifacts | str | os.PathLike, kernels: Iterable[str] | None = None,
+                 ptxas: str | None = None) -> dict[str, list[str]] | None:
+    """``{kernel: advisories}`` (``ptxas_advisories``) for the kernels of a build or cache entry that use wgmma;
+    None when no ptxas is available."""
+    ptxas = ptxas or find_ptxas()
+    if not ptxas:
+        return None
+    d = Path(artifacts.dir if isinstance(artifacts, Artifacts) else artifacts)
+    arch = artifacts.arch if isinstance(artifacts, Artifacts) else json.loads((d / "meta.json").read_text())["arch"]
+    names = list(kernels) if kernels is not None else sorted(p.stem for p in d.glob("*.ptx"))
+    out: dict[str, list[str]] = {}
+    for k in names:
+        text = (d / f"{k}.ptx").read_text(errors="replace")
+        if "wgmma.mma_async" in text:
+            out[k] = ptxas_advisories(text, arch, ptxas) or []
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

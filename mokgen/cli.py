@@ -259,6 +259,22 @@ def _report_compiled(name: str, arch: str, art: Any) -> None:
     _out(f"entry: {art.dir}")
     _out(f"library: {art.lib}")
     _print_ptx_report(build.ptx_report(art))
+    if getattr(art, "status", None) in ("built", "rebuilt"):
+        _print_ptxas_report(build.ptxas_report(art))
+
+
+def _print_ptxas_report(adv: dict[str, list[str]] | None) -> None:
+    """After a build, where a ptxas is at hand: its wgmma-pipeline advisories (a serialized wgmma is a kernel
+    running its tensor cores one instruction at a time: a bug in the template, not the user's problem to fix)."""
+    if adv is None:
+        return
+    bad = {k: v for k, v in adv.items() if v}
+    if not bad:
+        _out(f"ptxas: wgmma pipelined in all {len(adv)} GEMM kernel(s) (no performance advisories)")
+        return
+    _out(f"ptxas: performance advisories in {len(bad)} of {len(adv)} GEMM kernel(s) (please report them):")
+    for k, v in bad.items():
+        _out(f"  {k}: {'; '.join(v)}")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
