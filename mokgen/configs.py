@@ -91,6 +91,8 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
             out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
+    if cfg.get("dgrad1_z_load") == "tma" and not out and (why := P.z_stage_problem(P.solve(spec, arch).backward.dgrad1)):
+        out.append(f"dgrad1_z_load: tma {why}")
     if "dgrad1_z_chunk" in cfg and not out:   # against the FP8 dgrad1's tile
         d1 = P.solve(spec, arch).backward.dgrad1
         if (d1.bn // 4) % cfg["dgrad1_z_chunk"]:
@@ -128,6 +130,8 @@ def _check_backward_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list
         if name == "dgrad1" and "dgrad1_z_chunk" in cfg and (g.bn // 4) % cfg["dgrad1_z_chunk"]:
             out.append(f"dgrad1_z_chunk: {cfg['dgrad1_z_chunk']} does not divide the {g.bn // 4} z pairs a thread "
                        f"holds (dgrad1 bn {g.bn})")
+        if name == "dgrad1" and cfg.get("dgrad1_z_load") == "tma" and (why := P.z_stage_problem(g)):
+            out.append(f"dgrad1_z_load: tma {why}")
     return out
 
 
@@ -227,6 +231,10 @@ def _check_backward_plan(plan: Any) -> list[str]:
         out.append(f"backward.dgrad1.bn {d1.bn}: ffn {spec.ffn} % {d1.bn} != 0 (the dSwiGLU epilogue)")
     if d1.z_chunk not in sp_.values("z_chunk", "dgrad1") or (d1.bn // 4) % d1.z_chunk:
         out.append(f"backward.dgrad1.z_chunk {d1.z_chunk} not in the space or not dividing bn/4 = {d1.bn // 4}")
+    if d1.z_load not in sp_.values("z_load", "dgrad1"):
+        out.append(f"backward.dgrad1.z_load {d1.z_load!r} not in the space")
+    elif d1.z_load == "tma" and (why := P.z_stage_problem(d1)):
+        out.append(f"backward.dgrad1.z_load tma: {why}")
     return out
 
 

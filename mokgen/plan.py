@@ -236,6 +236,8 @@ class GemmPlan:
     z_chunk: int = Z_CHUNK
     elem_bytes: int = ELEM_BYTES  # bytes per operand element: 2 (bf16) or 1 (e4m3, FP8 specs: see fp8_gemm)
     promote: str = "serial"  # FP8: "serial" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
+    # dgrad1's z: "tma" = through the stage ring (z_stage_problem), "direct" = global loads by the consumer threads
+    z_load: str = "direct"
 
     @property
     def tile_m(self) -> int:
@@ -337,7 +339,7 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
         a_load="tma", n_tiles=-(-n // bn), k_tiles=(k // BK) if k is not None else 0,
     )
     if name == "dgrad1":
-        g = dataclasses.replace(g, z_chunk=min(Z_CHUNK, bn // 4))
+        g = _with_z_load(dataclasses.replace(g, z_chunk=min(Z_CHUNK, bn // 4)))
     tiny_groups = spec.routed_rows <= WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts
     if k is None and tiny_groups and bn % WGRAD_TILE_EPI["epi_n"] == 0:
         g = dataclasses.replace(g, **WGRAD_TILE_EPI)   # tiny groups: the whole tile's epilogue buffered
@@ -613,8 +615,30 @@ def _candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
 
 
 def _with_consumer(arch: Arch, g: GemmPlan, consumer: str) -> GemmPlan:
-    """`g` with `consumer` tiles and as many stages as then fit."""
-    return dataclasses.replace(g, consumer=consumer, stages=min(MAX_STAGES, _stages_fit(arch, g.bn, consumer)))
+    """`g` with `consumer` tiles and as many stages as then fit (dgrad1's z path follows: _with_z_load)."""
+    g = dataclasses.replace(g, consumer=consumer, stages=min(MAX_STAGES, _stages_fit(arch, g.bn, consumer)))
+    return _with_z_load(g) if g.z_load == "tma" or consumer == "cooperative" else g
+
+
+def z_stage_problem(g: GemmPlan) -> str | None:
+    """Why dgrad1 plan `g` cannot take its z through the stage ring (z_load "tma"), or None. A z stage is one
+    (128, ZQ) bf16 box of gate and one of up (or two of interleaved pairs) in the shared memory of one W stage,
+    exactly: ZQ = bn * bk * elem_bytes / 512 must be 32 or 64 columns (a 64- or 128-byte swizzle row) and divide
+    bn. The producer loads the tile's bn / ZQ z stages right after its K stages; the consumers write dz over z
+    and TMA-store it. Cooperative 128-row tiles without clusters only (the ping-pong ring skips the other
+    warpgroup's stages by a fixed count)."""
+    if g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM:
+        return f"needs cooperative {BM}-row tiles without clusters, got {g.consumer} tiles, cluster {g.cluster}"
+    stage = g.bn * g.bk * g.elem_bytes
+    zq = stage // (2 * g.tile_m * 2)
+    if zq not in (32, 64) or stage != 2 * g.tile_m * zq * 2 or g.bn % zq:
+        return f"a W stage of {stage} bytes (bn {g.bn}, bk {g.bk}) holds no z stage of 32 or 64 whole columns"
+    return None
+
+
+def _with_z_load(g: GemmPlan) -> GemmPlan:
+    """dgrad1's default z path: through the stage ring where it fits (measured faster: bench/NOTES.md v12)."""
+    return dataclasses.replace(g, z_load="tma" if z_stage_problem(g) is None else "direct")
 
 
 def _routing_tile(g1: GemmPlan, g2: GemmPlan) -> tuple[GemmPlan, GemmPlan]:
@@ -662,7 +686,9 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     a = _fp8_arch(arch)
     # dgrad1's z chunk applies to the FP8 dgrad1's tile (fp8_gemm's), not to the BF16 tile it replaces
     z_chunk = overrides.get("dgrad1_z_chunk")
-    rest = {k: v for k, v in overrides.items() if k not in promote_keys and k != "dgrad1_z_chunk"}
+    z_load = overrides.get("dgrad1_z_load")
+    rest = {k: v for k, v in overrides.items()
+            if k not in promote_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load")}
     if not rest:
         plan = candidates(spec, arch)[0]
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
@@ -678,6 +704,9 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                             f"{d1.bn // 4} z pairs a thread holds (FP8 dgrad1 bn {d1.bn}), got {z}")
         plan = dataclasses.replace(plan, backward=dataclasses.replace(
             plan.backward, dgrad1=dataclasses.replace(d1, z_chunk=z)))
+    if z_load is not None and plan.backward is not None:   # against the FP8 dgrad1's tile too
+        plan = dataclasses.replace(plan, backward=dataclasses.replace(
+            plan.backward, dgrad1=_z_load_override(plan.backward.dgrad1, z_load)))
     promotes = _SPACE.values("promote", "gemm1")
     g1, g2 = plan.gemm1, plan.gemm2
     for which in (1, 2):   # W-tile multicast to M-tile pairs (the BF16 knob; fp8_gemm starts from cluster 1)
@@ -751,7 +780,8 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
         z_chunk=min(g.z_chunk, bn // 4))
     most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
         (fp8.tile_m + fp8.bn) * fp8.bk)
-    return dataclasses.replace(fp8, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
+    fp8 = dataclasses.replace(fp8, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
+    return _with_z_load(fp8) if which == 3 else fp8
 
 
 def _solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
@@ -927,6 +957,8 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
             raise PlanError(f"plan.dgrad1_z_chunk: must be one of {', '.join(map(str, legal))} dividing the "
                             f"{g.bn // 4} z pairs a thread holds (dgrad1 bn {g.bn}), got {zc}")
         bwd["dgrad1"], changed = dataclasses.replace(g, z_chunk=zc), True
+    if "dgrad1_z_load" in overrides:
+        bwd["dgrad1"], changed = _z_load_override(bwd["dgrad1"], overrides["dgrad1_z_load"]), True
     for name in ("wgrad1", "wgrad2"):
         key = f"{name}_raster_group"
         if key in overrides:
@@ -935,6 +967,15 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
                 raise PlanError(f"plan.{key}: must be in [1, {most}], got {r}")
             bwd[name], changed = dataclasses.replace(bwd[name], raster_group=r), True
     return dataclasses.replace(plan, backward=BackwardPlan(**bwd)) if changed else plan
+
+
+def _z_load_override(g: GemmPlan, mode: Any) -> GemmPlan:
+    legal = _SPACE.values("z_load", "dgrad1")
+    if mode not in legal:
+        raise PlanError(f"plan.dgrad1_z_load: must be one of {', '.join(legal)}, got {mode!r}")
+    if mode == "tma" and (why := z_stage_problem(g)) is not None:
+        raise PlanError(f"plan.dgrad1_z_load: tma {why}")
+    return dataclasses.replace(g, z_load=mode)
 
 
 # ---- explain -----------------------------------------------------------------------------------------------

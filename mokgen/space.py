@@ -98,6 +98,9 @@ SM90 = ArchSpace(
              doc="backward dgrad GEMMs' consumer mode (derived from the routing tile)"),
         Knob("z_chunk", ("dgrad1",), (4, 8, 16, 32), search=(8, 16, 32),
              doc="dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (registers)"),
+        Knob("z_load", ("dgrad1",), ("tma", "direct"), search=("tma", "direct"),
+             doc="dgrad1's z: through the stage ring by TMA (dz stored from there) or global loads by the consumer "
+                 "threads; derived: tma where a W stage holds a whole z stage (cooperative 128-row tiles)"),
         Knob("bn", _BWD, _BN, search=_BN,
              doc="backward GEMMs' tile N; derived: the widest dividing N that fits (dgrad1: must divide ffn, and "
                  "its z chunk follows as min(16, bn/4))"),
@@ -170,7 +173,7 @@ FP8_SEARCH_AXES = ("promote", "cluster")
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
 # composed afterwards and the composition is timed too).
-BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_chunk", "dgrad1_stages",
+BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1_z_chunk", "dgrad1_stages",
                         "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n", "wgrad2_epi_stages")
