@@ -132,6 +132,8 @@ def _check_backward_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list
                        f"holds (dgrad1 bn {g.bn})")
         if name == "dgrad1" and cfg.get("dgrad1_z_load") == "tma" and (why := P.z_stage_problem(g)):
             out.append(f"dgrad1_z_load: tma {why}")
+        if cfg.get(f"{name}_epi_store") == "ring" and (why := P.epi_ring_problem(g)[0]):
+            out.append(f"{name}_epi_store: ring {why}")
     return out
 
 
@@ -231,6 +233,12 @@ def _check_backward_plan(plan: Any) -> list[str]:
         out.append(f"backward.dgrad1.bn {d1.bn}: ffn {spec.ffn} % {d1.bn} != 0 (the dSwiGLU epilogue)")
     if d1.z_chunk not in sp_.values("z_chunk", "dgrad1") or (d1.bn // 4) % d1.z_chunk:
         out.append(f"backward.dgrad1.z_chunk {d1.z_chunk} not in the space or not dividing bn/4 = {d1.bn // 4}")
+    for name in ("gemm1", "gemm2") + P.BACKWARD_GEMMS:
+        g = getattr(plan, name, None) or getattr(plan.backward, name)
+        if g.epi_store not in sp_.values("epi_store", "gemm2"):
+            out.append(f"{name}.epi_store {g.epi_store!r} not in the space")
+        elif g.epi_store == "ring" and (why := P.epi_ring_problem(g, 2 if name == "gemm1" else 1)[0]):
+            out.append(f"{name}.epi_store ring: {why}")
     if d1.z_load not in sp_.values("z_load", "dgrad1"):
         out.append(f"backward.dgrad1.z_load {d1.z_load!r} not in the space")
     elif d1.z_load == "tma" and (why := P.z_stage_problem(d1)):

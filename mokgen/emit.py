@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 
 from . import kernels
-from .plan import L2_HINTS, Plan, z_stage_problem
+from .plan import L2_HINTS, Plan, epi_ring_problem, z_stage_problem
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 if not TEMPLATE_DIR.is_dir():  # source checkout: templates/ sits beside the package
@@ -240,6 +240,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         single_mma=parts == 2,
         z_chunk=g.z_chunk,
         z_tma=z_tma,
+        **dict(zip(("epi_ring", "epi_w"), _epi_ring(g, parts, what))),
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],
         w_hint_name=g.w_hint,
@@ -405,10 +406,21 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
     producer_regs, consumer_regs = g.regs
     if not accumulate:
         _check_smem(plan, g.smem_bytes(), f"plan.backward.{name}: {g.stages} stages")
+    epi_ring, epi_w = _epi_ring(g, 1, f"plan.backward.{name}") if not accumulate else (False, 0)
     return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
                 stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
                 accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
-                **_table(name + ("_acc" if accumulate else "")))
+                epi_ring=epi_ring, epi_w=epi_w, **_table(name + ("_acc" if accumulate else "")))
+
+
+def _epi_ring(g: Any, parts: int, what: str) -> tuple[bool, int]:
+    """(the output goes through the stage ring, its box width): plan epi_store "ring", checked against the tile."""
+    if g.epi_store != "ring":
+        return False, 0
+    why, w = epi_ring_problem(g, parts)
+    if why is not None:
+        raise EmitError(f"{what}.epi_store: ring {why}")
+    return True, w
 
 
 def _table(kernel: str) -> dict[str, Any]:

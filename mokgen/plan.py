@@ -238,6 +238,9 @@ class GemmPlan:
     promote: str = "serial"  # FP8: "serial" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
     # dgrad1's z: "tma" = through the stage ring (z_stage_problem), "direct" = global loads by the consumer threads
     z_load: str = "direct"
+    # the bf16 output: "ring" = through the stage ring, TMA-stored by a storer warp (epi_ring_problem); "smem" =
+    # through the epi_stages buffers of epi_n columns, TMA-stored by the first consumer warp
+    epi_store: str = "smem"
 
     @property
     def tile_m(self) -> int:
@@ -340,12 +343,13 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     )
     if name == "dgrad1":
         g = _with_z_load(dataclasses.replace(g, z_chunk=min(Z_CHUNK, bn // 4)))
+    g = _with_epi_store(g)
     tiny_groups = spec.routed_rows <= WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts
     if k is None and tiny_groups and bn % WGRAD_TILE_EPI["epi_n"] == 0:
         g = dataclasses.replace(g, **WGRAD_TILE_EPI)   # tiny groups: the whole tile's epilogue buffered
         g = dataclasses.replace(g, stages=min(g.stages, _stages_most(arch, g)))
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
-    return _with_consumer(arch, g, "pingpong") if k is not None and bm < BM else g
+    return _with_epi_store(_with_consumer(arch, g, "pingpong")) if k is not None and bm < BM else g
 
 
 def backward_plan(spec: Spec, arch: Arch, bm: int) -> BackwardPlan:
@@ -583,7 +587,11 @@ def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCo
 
 def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
-    candidates, distinct ones only, in the BF16 ranking)."""
+    candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
+    return [_settle_epi_store(p, {}) for p in _candidates_any(spec, arch)]
+
+
+def _candidates_any(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     if spec.dtype == "fp8":
         a = _fp8_arch(arch)
         out, seen = [], set()
@@ -675,8 +683,74 @@ def _int_override(key: str, value: Any) -> int:
     return value
 
 
+EPI_KERNELS = ("gemm1", "gemm2") + BACKWARD_GEMMS   # the GEMMs whose output path is a plan choice (epi_store)
+
+
+def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
+    """(why plan `g` cannot store its output through the stage ring, or None; the box width EPI_W). The tile's
+    bn / parts bf16 output columns go in (128, EPI_W) boxes that fill W stages exactly (EPI_W 64 or 32: a 128- or
+    64-byte swizzle row), handed to the consumers by the producer after the tile's K stages and TMA-stored by warp
+    1 of the producer warpgroup, idle only when one warp issues every TMA load (a_load "tma"). Cooperative
+    128-row tiles without clusters (a cluster's stages are released to both producers)."""
+    if g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM or g.a_load != "tma":
+        return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded A (got {g.consumer}, cluster "
+                f"{g.cluster}, a_load {g.a_load})"), 0
+    stage = g.bn * g.bk * g.elem_bytes
+    for w in (64, 32):
+        if stage % (g.tile_m * w * 2) == 0 and (g.bn // parts) % w == 0:
+            return None, w
+    return f"a W stage of {stage} bytes holds no whole number of (128, 64 or 32) bf16 boxes of its tile", 0
+
+
+def _with_epi_store(g: GemmPlan, parts: int = 1, chain: bool = True) -> GemmPlan:
+    """The default output path: "ring" where the tile allows it (measured faster: bench/NOTES.md v12) and the
+    GEMM is its own launch (`chain`: not inside the fused forward kernel), else "smem"."""
+    return dataclasses.replace(g, epi_store="ring" if chain and epi_ring_problem(g, parts)[0] is None else "smem")
+
+
+def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
+    """Every GEMM's output path: ``<kernel>_epi_store`` / ``epi_store`` overrides where given (checked), else the
+    default (:func:`_with_epi_store`; the backward GEMMs are their own launches whatever the forward schedule),
+    re-derived here because overrides of other knobs (consumer, tile N, cluster) change what the tile allows."""
+    legal = _SPACE.values("epi_store", "gemm2")
+    gemms = {"gemm1": plan.gemm1, "gemm2": plan.gemm2}
+    if plan.backward is not None:
+        gemms.update({n: getattr(plan.backward, n) for n in BACKWARD_GEMMS})
+    for name, g in gemms.items():
+        parts, forward = (2 if name == "gemm1" else 1), name in ("gemm1", "gemm2")
+        why, _ = epi_ring_problem(g, parts)
+        key = next((k for k in (f"{name}_epi_store", "epi_store") if k in overrides), None)
+        if key is None:
+            gemms[name] = _with_epi_store(g, parts, chain=plan.schedule == "chain" or not forward)
+            continue
+        else:
+            mode = overrides[key]
+            if mode not in legal:
+                raise PlanError(f"plan.{key}: must be one of {', '.join(legal)}, got {mode!r}")
+            if mode == "ring" and forward and plan.schedule != "chain":
+                raise PlanError(f"plan.{key}: ring needs the chain schedule (the fused kernel has its own epilogue)")
+            if mode == "ring" and why is not None:
+                if key == "epi_store":   # the shared key asks for it where it fits
+                    mode = "smem"
+                else:
+                    raise PlanError(f"plan.{key}: ring {why}")
+        gemms[name] = dataclasses.replace(g, epi_store=mode)
+    backward = plan.backward and dataclasses.replace(plan.backward, **{n: gemms[n] for n in BACKWARD_GEMMS})
+    return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
+
+
 def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
-    """The best plan for `spec` on `arch` (FP8 specs: see :func:`fp8_plan`)."""
+    """The best plan for `spec` on `arch` (FP8 specs: see :func:`fp8_plan`); every GEMM's output path last
+    (:func:`_settle_epi_store`)."""
+    epi = {k: v for k, v in overrides.items() if k == "epi_store" or k.endswith("_epi_store")}
+    for k in epi:
+        if k != "epi_store" and k.removesuffix("_epi_store") not in EPI_KERNELS:
+            raise PlanError(f"plan.{k}: unknown override; allowed: {', '.join(OVERRIDES)}")
+    plan = _solve_dtype(spec, arch, **{k: v for k, v in overrides.items() if k not in epi})
+    return _settle_epi_store(plan, epi)
+
+
+def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     promote_keys = [k for k in overrides if k == "promote" or k.endswith("_promote")]
     if spec.dtype != "fp8":
         if promote_keys:

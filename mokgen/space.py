@@ -98,6 +98,10 @@ SM90 = ArchSpace(
              doc="backward dgrad GEMMs' consumer mode (derived from the routing tile)"),
         Knob("z_chunk", ("dgrad1",), (4, 8, 16, 32), search=(8, 16, 32),
              doc="dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (registers)"),
+        Knob("epi_store", _FWD + _BWD, ("ring", "smem"), shared=True, search=("ring", "smem"),
+             doc="the bf16 output: through the stage ring, TMA-stored by a storer warp, or through the epi_stages "
+                 "buffers by the first consumer warp; derived: ring where the tile allows (TMA-loaded A, "
+                 "cooperative, no cluster)"),
         Knob("z_load", ("dgrad1",), ("tma", "direct"), search=("tma", "direct"),
              doc="dgrad1's z: through the stage ring by TMA (dz stored from there) or global loads by the consumer "
                  "threads; derived: tma where a W stage holds a whole z stage (cooperative 128-row tiles)"),
@@ -174,9 +178,10 @@ FP8_SEARCH_AXES = ("promote", "cluster")
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
 # composed afterwards and the composition is timed too).
 BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1_z_chunk", "dgrad1_stages",
-                        "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
+                        "dgrad1_epi_store", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages", "dgrad2_epi_store",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
-                        "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n", "wgrad2_epi_stages")
+                        "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
+                        "wgrad2_epi_stages", "wgrad2_epi_store")
 
 
 def backward_kernel(key: str) -> str:

@@ -94,14 +94,15 @@ def test_fp8_emit():
 
 @pytest.mark.parametrize("name", FP8_PRESETS)
 def test_fp8_tune_space(name):
-    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion mode forward; dgrad1's z path
-    and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
+    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion mode forward; the dgrads' output
+    path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
     assert sorted(map(str, fwd)) == sorted(map(str, [{"promote": p, "cluster": c} for p in ("serial", "overlap")
                                                        for c in (1, 2)]))
     bwd = list(configs.enumerate_backward_configs(spec))
-    assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load")) for c in bwd)
+    assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
+                                                 "dgrad2_epi_store")) for c in bwd)
     for cfg in fwd + bwd:
         p = solve(spec, **cfg)
         assert not configs.check_plan(p), (cfg, configs.check_plan(p))
