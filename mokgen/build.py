@@ -51,6 +51,7 @@ __all__ = [
     "ptx_report",
     "ptxas_report",
     "ptxas_advisories",
+    "run_ptxas",
     "kernel_files",
     "LIB_NAME",
     "SUPPORTED_ARCHS",
@@ -471,29 +472,42 @@ def find_ptxas() -> str | None:
     return shutil.which("ptxas")
 
 
-def ptxas_advisories(ptx: str, arch: str, ptxas: str | None = None) -> list[str] | None:
-    """ptxas's wgmma performance advisories for one kernel's PTX (``["C7514 ...", ...]``; ``[]`` when clean), or
-    None when no ptxas is available. The DSL assembles its PTX with its own ptxas; this runs an independent one
-    (``find_ptxas``) only to read the advisories. A PTX ``.version`` newer than that ptxas knows is lowered to the
-    newest it names (the header only: the instructions of our kernels exist in both)."""
+def run_ptxas(ptx: str, arch: str, ptxas: str | None = None) -> tuple[int, str, str | None] | None:
+    """Assemble one kernel's PTX with an independent ptxas (``find_ptxas``; the DSL assembles with its own) to read
+    its report: ``(return code, log, version change)``, or None when no ptxas is available. A PTX ``.version``
+    newer than that ptxas knows is lowered to the newest it names (the header only: the instructions of our
+    kernels exist in both; good for advisories, register and spill counts, not for shipping); the third field
+    then says ``"9.4 -> 9.0"``."""
     ptxas = ptxas or find_ptxas()
     if not ptxas:
         return None
+    patched = None
     with tempfile.TemporaryDirectory(prefix="mokgen-ptxas.") as td:
         src = Path(td) / "k.ptx"
         for _ in range(2):
             src.write_text(ptx)
             r = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(td) / "k.cubin")],
                                capture_output=True, text=True)
-            m = _PTXAS_VERSION_RE.search(r.stderr)
-            if r.returncode != 0 and m:
-                ptx = re.sub(r"^\.version\s+\S+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
-                continue
-            break
-        if r.returncode != 0:
-            raise BuildError(f"ptxas ({ptxas}) rejected the PTX: {r.stderr.strip().splitlines()[-1:]}")
+            log = r.stdout + r.stderr
+            m = _PTXAS_VERSION_RE.search(log)
+            if r.returncode == 0 or not m:
+                break
+            ptx = re.sub(r"^\.version\s+\S+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
+            patched = f"{m.group(1)} -> {m.group(2)}"
+    return r.returncode, log, patched
+
+
+def ptxas_advisories(ptx: str, arch: str, ptxas: str | None = None) -> list[str] | None:
+    """ptxas's wgmma performance advisories for one kernel's PTX (``["C7514 ...", ...]``; ``[]`` when clean), or
+    None when no ptxas is available (:func:`run_ptxas`)."""
+    res = run_ptxas(ptx, arch, ptxas)
+    if res is None:
+        return None
+    rc, log, _ = res
+    if rc != 0:
+        raise BuildError(f"ptxas rejected the PTX: {log.strip().splitlines()[-1:]}")
     found = []
-    for line in r.stderr.splitlines():
+    for line in log.splitlines():
         m = _PTXAS_ADVISORY_RE.search(line)
         if m:
             found.append(f"{m.group(1)} {m.group(2).split(' in function')[0].split(' in the function')[0]}")

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 

@@ -109,27 +109,18 @@ def ptx_stats(ptx: str) -> dict:
 
 
 def ptxas_stats(ptx_path: Path) -> dict | None:
-    """Registers / spills / stack as ``ptxas -v`` reports them. A ptxas older than the DSL's PTX ISA refuses the
-    file; it is then retried with the ``.version`` line lowered to the one that ptxas supports (noted as
-    ``version_patched``: good enough for register and spill counts, not for shipping)."""
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return None
+    """Registers / spills / stack as ``ptxas -v`` reports them, and its wgmma advisories (mokgen.build.run_ptxas:
+    an older ptxas gets the ``.version`` line lowered, noted as ``version_patched``)."""
+    from mokgen import build
+
     t0 = time.monotonic()
-    out: dict = {}
-    path = ptx_path
-    for _ in range(2):
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, str(path)], capture_output=True, text=True)
-        log = r.stdout + r.stderr
-        m = re.search(r"Unsupported \.version (\S+); current version is '([^']+)'", log)
-        if r.returncode == 0 or not m:
-            break
-        patched = ptx_path.with_suffix(".v.ptx")
-        text = ptx_path.read_text(errors="replace")
-        patched.write_text(re.sub(r"^\.version \S+", f".version {m.group(2)}", text, count=1, flags=re.M))
-        out["version_patched"] = f"{m.group(1)} -> {m.group(2)}"
-        path = patched
-    out.update({"ok": r.returncode == 0, "seconds": round(time.monotonic() - t0, 1)})
+    res = build.run_ptxas(ptx_path.read_text(errors="replace"), "sm_90a")
+    if res is None:
+        return None
+    rc, log, patched = res
+    out: dict = {"ok": rc == 0, "seconds": round(time.monotonic() - t0, 1)}
+    if patched:
+        out["version_patched"] = patched
     m = re.search(r"Used (\d+) registers", log)
     if m:
         out["registers"] = int(m.group(1))
@@ -139,7 +130,8 @@ def ptxas_stats(ptx_path: Path) -> dict | None:
     m = re.search(r"(\d+) bytes stack frame", log)
     if m:
         out["stack"] = int(m.group(1))
-    if r.returncode != 0:
+    out["advisories"] = sorted(set(re.findall(r"\((C75\d\d)\)", log)))
+    if rc != 0:
         out["log"] = log[-2000:]
     return out
 
