@@ -343,13 +343,14 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     )
     if name == "dgrad1":
         g = _with_z_load(dataclasses.replace(g, z_chunk=min(Z_CHUNK, bn // 4)))
-    g = _with_epi_store(g)
     tiny_groups = spec.routed_rows <= WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts
     if k is None and tiny_groups and bn % WGRAD_TILE_EPI["epi_n"] == 0:
         g = dataclasses.replace(g, **WGRAD_TILE_EPI)   # tiny groups: the whole tile's epilogue buffered
         g = dataclasses.replace(g, stages=min(g.stages, _stages_most(arch, g)))
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
-    return _with_epi_store(_with_consumer(arch, g, "pingpong")) if k is not None and bm < BM else g
+    if k is not None and bm < BM:
+        g = _with_consumer(arch, g, "pingpong")
+    return _with_epi_store(g)
 
 
 def backward_plan(spec: Spec, arch: Arch, bm: int) -> BackwardPlan:
@@ -623,9 +624,10 @@ def _candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
 
 
 def _with_consumer(arch: Arch, g: GemmPlan, consumer: str) -> GemmPlan:
-    """`g` with `consumer` tiles and as many stages as then fit (dgrad1's z path follows: _with_z_load)."""
+    """`g` with `consumer` tiles and as many stages as then fit (a z path through the ring falls back where the
+    new tiles cannot take it: _with_z_load)."""
     g = dataclasses.replace(g, consumer=consumer, stages=min(MAX_STAGES, _stages_fit(arch, g.bn, consumer)))
-    return _with_z_load(g) if g.z_load == "tma" or consumer == "cooperative" else g
+    return _with_z_load(g) if g.z_load == "tma" else g
 
 
 def z_stage_problem(g: GemmPlan) -> str | None:
@@ -723,17 +725,15 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
         if key is None:
             gemms[name] = _with_epi_store(g, parts, chain=plan.schedule == "chain" or not forward)
             continue
-        else:
-            mode = overrides[key]
-            if mode not in legal:
-                raise PlanError(f"plan.{key}: must be one of {', '.join(legal)}, got {mode!r}")
-            if mode == "ring" and forward and plan.schedule != "chain":
-                raise PlanError(f"plan.{key}: ring needs the chain schedule (the fused kernel has its own epilogue)")
-            if mode == "ring" and why is not None:
-                if key == "epi_store":   # the shared key asks for it where it fits
-                    mode = "smem"
-                else:
-                    raise PlanError(f"plan.{key}: ring {why}")
+        mode = overrides[key]
+        if mode not in legal:
+            raise PlanError(f"plan.{key}: must be one of {', '.join(legal)}, got {mode!r}")
+        if mode == "ring" and forward and plan.schedule != "chain":
+            raise PlanError(f"plan.{key}: ring needs the chain schedule (the fused kernel has its own epilogue)")
+        if mode == "ring" and why is not None:
+            if key != "epi_store":   # the shared key asks for it where it fits
+                raise PlanError(f"plan.{key}: ring {why}")
+            mode = "smem"
         gemms[name] = dataclasses.replace(g, epi_store=mode)
     backward = plan.backward and dataclasses.replace(plan.backward, **{n: gemms[n] for n in BACKWARD_GEMMS})
     return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
@@ -998,6 +998,8 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
             if overrides[key] == "cooperative" and g.bm < BM:
                 raise PlanError(f"plan.{key}: 128-row cooperative tiles would span two {g.bm}-row routing tiles")
             bwd[name], changed = _with_consumer(a, g, overrides[key]), True
+            if name == "dgrad1":   # back to cooperative tiles: z through the ring again where it fits
+                bwd[name] = _with_z_load(bwd[name])
     for name in ("wgrad1", "wgrad2"):   # epilogue staging first: it bounds the stages that fit
         for field in ("epi_n", "epi_stages"):
             key = f"{name}_{field}"
