@@ -23,6 +23,7 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
 
 import mokgen  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.ops import ArchMismatchError, CompiledMoE, RoutingError  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -31,7 +32,7 @@ PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
 TOL = 1e-2
-OVERRIDES = dict(kv.split("=", 1) for kv in os.environ.get("MOKGEN_GPU_OVERRIDES", "").split(",") if "=" in kv)
+OVERRIDES = parse_overrides(os.environ.get("MOKGEN_GPU_OVERRIDES", ""))  # typed as the CLI's --set
 
 
 def _tokens(spec) -> int:

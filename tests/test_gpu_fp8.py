@@ -29,13 +29,14 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
 
 import mokgen  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen.plan import parse_overrides  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 PRESETS = ["qwen3-30b-a3b", "kimi-k2", "gpt-oss-120b"]
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
-OVERRIDES = dict(kv.split("=", 1) for kv in os.environ.get("MOKGEN_GPU_OVERRIDES", "").split(",") if "=" in kv)
+OVERRIDES = parse_overrides(os.environ.get("MOKGEN_GPU_OVERRIDES", ""))  # typed as the CLI's --set
 TOL = 1e-2          # against the quantization-aware float64 reference
 FP8_TOL = 0.12      # against the BF16 float64 reference (e4m3 keeps 3 mantissa bits: ~5-7% measured on CPU)
 

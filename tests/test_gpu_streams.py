@@ -34,6 +34,7 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
 
 import mokgen  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.ops import RoutingError  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.gpu
 PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
-OVERRIDES = dict(kv.split("=", 1) for kv in os.environ.get("MOKGEN_GPU_OVERRIDES", "").split(",") if "=" in kv)
+OVERRIDES = parse_overrides(os.environ.get("MOKGEN_GPU_OVERRIDES", ""))  # typed as the CLI's --set
 ITERS = int(os.environ.get("MOKGEN_GPU_STREAM_ITERS", "6"))
 GRAD_NAMES = ref.Grads._fields
 
