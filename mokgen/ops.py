@@ -489,6 +489,9 @@ class CompiledMoE:
         backward = getattr(plan, "backward", None)
         # dgrad1's router-gradient partials: one column per N tile of its plan (reference kernels: one)
         self.ds_tiles = backward.dgrad1.n_tiles if backward is not None else 1
+        # the backward's launch streams (plan.backward.streams): 2 = the weight gradients on a side stream
+        self._bwd_streams = getattr(backward, "streams", 1) if backward is not None else 1
+        self._side_streams: dict[torch.device, Any] = {}
         self.allow_cpu = allow_cpu
         self._sm_count: dict[tuple[str, int], int] = {}
         self._states: dict[torch.device, _DeviceState] = {}   # per device: sticky error flags, dummy bias
@@ -712,6 +715,27 @@ class CompiledMoE:
 
         return tvm_ffi.use_torch_stream(torch.cuda.device(device))
 
+    def _side_stream(self, device: torch.device, on: bool):
+        """The backward's second stream (plan.backward.streams 2), entered after the current stream's work so
+        far (a fork: CUDA-graph capturable); a no-op off CUDA or with one stream. Join with _join_side_stream."""
+        if not on or device.type != "cuda":
+            return contextlib.nullcontext()
+        import tvm_ffi
+
+        key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        side = self._side_streams.get(key)
+        if side is None:
+            side = self._side_streams[key] = torch.cuda.Stream(key)
+        side.wait_stream(torch.cuda.current_stream(key))
+        return tvm_ffi.use_torch_stream(torch.cuda.stream(side))
+
+    def _join_side_stream(self, device: torch.device) -> None:
+        """The current stream waits for the side stream's work (every tensor it used was allocated on the current
+        stream before the fork, so the allocator's stream order holds once joined)."""
+        if device.type == "cuda":
+            key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            torch.cuda.current_stream(key).wait_stream(self._side_streams[key])
+
     def __call__(self, x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, out: torch.Tensor | None = None,
                  num_ctas: int | None = None, check: bool = False) -> torch.Tensor:
         """y [T, H] bf16 (written into ``out`` when given, and returned).
@@ -819,7 +843,12 @@ class CompiledMoE:
                                                                           "gemm2", "combine")
         if not training:
             return fwd
-        return fwd + ("gather_dO", "dgrad1", "wgrad2", "dgrad2", "combine_dx", "gather_x", "wgrad1")
+        q = self.fp8   # FP8: dO's rows quantized before dgrad1, dz's used rows before dgrad2 (the wgrads are bf16)
+        head = ("gather_dO",) + (("quant_rows_gather",) if q else ()) + ("dgrad1",)
+        dgrad2 = (("quant_rows_used",) if q else ()) + ("dgrad2", "combine_dx")
+        if self._bwd_streams == 2:   # host order: the side stream's weight gradients are launched first
+            return fwd + head + ("wgrad2", "gather_x", "wgrad1") + dgrad2
+        return fwd + head + ("wgrad2",) + dgrad2 + ("gather_x", "wgrad1")
 
     def _need_training(self) -> None:
         if not self.trainable:
@@ -897,7 +926,10 @@ class CompiledMoE:
         Kernels, in stream order: gather dO rows; dgrad1 (dA' = dO . W2, dSwiGLU epilogue: dz, s a and the
         router-gradient partials); wgrad2 (dW2 per group, K = its rows); dgrad2 (dz . W1 per slot); combine (dx
         over each token's slots in a fixed order); gather x rows; wgrad1 (dW1). No float atomics, no host sync:
-        bitwise deterministic and independent of ``num_ctas``. With ``w1_main_grad`` / ``w2_main_grad`` (fp32,
+        bitwise deterministic and independent of ``num_ctas``. With ``plan.backward.streams == 2`` the weight
+        gradients (wgrad2, the x-row gather, wgrad1) go to a second stream after dgrad1 and run beside dgrad2 and
+        the combine (dgrad2 then writes a buffer of its own); the current stream waits for them before this
+        returns, so callers see one stream either way, and the bits are the same. With ``w1_main_grad`` / ``w2_main_grad`` (fp32,
         the weights' shapes) the weight gradients are added into them and returned as None.
 
         ``out`` (a :class:`mokgen.reference.Grads` whose fields are tensors or None): caller-owned buffers, each
@@ -957,22 +989,42 @@ class CompiledMoE:
             if b2 is not None:   # db2[g] = sum of s * dO over the group's rows (fixed order: per tile, then tiles)
                 part = torch.bmm(sv.row_w.view(tiles, 1, self.bm), buf.view(tiles, self.bm, H).float()).squeeze(1)
                 db2 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
-            dw2 = None
+            dw2 = dw1 = None
             if w2_main_grad is None:
                 dw2 = out.w2 if out.w2 is not None else torch.empty_like(w2)
-                call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
-            else:
-                call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
+            if w1_main_grad is None:
+                dw1 = out.w1 if out.w1 is not None else torch.empty_like(w1)
+            dx = out.x if out.x is not None else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+            two = self._bwd_streams == 2
+            # streams 2: dgrad2 writes a buffer of its own, so the side stream may reuse buf (dO rows, then x rows)
+            dxs = torch.empty((cap, H), dtype=torch.bfloat16, device=dev) if two else buf
+
+            def weight_grads() -> None:   # wgrad2 (reads dO rows in buf), x rows into buf, wgrad1
+                if dw2 is not None:
+                    call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
+                else:
+                    call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
+                if two:
+                    x_rows_and_wgrad1()
+
+            def x_rows_and_wgrad1() -> None:
+                call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
+                if dw1 is not None:
+                    call(f, "wgrad1", a=dz, b=buf, group_start=group_start, out=dw1, num_ctas=num_ctas)
+                else:
+                    call(f, "wgrad1_acc", a=dz, b=buf, group_start=group_start, out=w1_main_grad, num_ctas=num_ctas)
+
+            with self._side_stream(dev, two):
+                weight_grads()
             if self.fp8:   # dz's used rows quantized; W1's K-major transposed e4m3 copy
                 dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
                 w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True)[2:]
                 call(f, "dgrad2", table="dgrad2_fp8", a=dzq, w=w1t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
-                     meta=sv.meta, sa=dzs, sb=w1ts, out=buf, num_ctas=num_ctas)
+                     meta=sv.meta, sa=dzs, sb=w1ts, out=dxs, num_ctas=num_ctas)
             else:
                 call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta,
-                     out=buf, num_ctas=num_ctas)
-            dx = out.x if out.x is not None else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
-            call(f, "combine", ys=buf, slot_pos=sv.slot_pos, y=dx)
+                     out=dxs, num_ctas=num_ctas)
+            call(f, "combine", ys=dxs, slot_pos=sv.slot_pos, y=dx)
             # router-weight gradient: <dA', a> summed over dgrad1's N tiles (fixed order), + <dO_t, b2[e]>
             pos = sv.slot_pos[:, :K].long()
             valid = pos >= 0
@@ -985,13 +1037,10 @@ class CompiledMoE:
             if b1 is not None:   # db1[g] = sum of dz over the group's rows
                 part = torch.sum(dz.view(tiles, self.bm, 2 * I), dim=1, dtype=torch.float32)
                 db1 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
-            call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
-            dw1 = None
-            if w1_main_grad is None:
-                dw1 = out.w1 if out.w1 is not None else torch.empty_like(w1)
-                call(f, "wgrad1", a=dz, b=buf, group_start=group_start, out=dw1, num_ctas=num_ctas)
+            if two:
+                self._join_side_stream(dev)
             else:
-                call(f, "wgrad1_acc", a=dz, b=buf, group_start=group_start, out=w1_main_grad, num_ctas=num_ctas)
+                x_rows_and_wgrad1()
         dtw, db1, db2 = (t if o is None or t is None else o.copy_(t)
                          for t, o in ((dtw, out.topk_weight), (db1, out.b1), (db2, out.b2)))
         return reference.Grads(dx, dtw, dw1, dw2, db1, db2)

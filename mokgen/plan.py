@@ -280,6 +280,7 @@ class GemmPlan:
 #   wgrad2  dW2[g] = dOgᵀ . (s a)   H x I  per group, K = the group's rows
 BACKWARD_GEMMS = ("dgrad1", "dgrad2", "wgrad1", "wgrad2")
 BWD_BN_CHOICES = (256, 192, 128, 64)  # widest first; 64 always divides (the spec keeps H, I multiples of 64)
+BWD_STREAMS = _SPACE.values("streams", "bwd")  # BackwardPlan.streams (override bwd_streams)
 
 
 def backward_shape(spec: Spec, name: str) -> tuple[int, int, int | None]:
@@ -292,20 +293,30 @@ def backward_shape(spec: Spec, name: str) -> tuple[int, int, int | None]:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """Tiles of the backward GEMMs (GemmPlan each; a wgrad's k_tiles is 0: its K is each group's rows)."""
+    """Tiles of the backward GEMMs (GemmPlan each; a wgrad's k_tiles is 0: its K is each group's rows), and how
+    the backward's kernels are launched: ``streams`` 1 (one stream, in order) or 2 (after dgrad1, the weight
+    gradients and the x-row gather run on a second stream beside dgrad2 and the combine, so each kernel's last,
+    partial wave is filled by the other stream's work; dgrad2 then writes into a buffer of its own, one more
+    [rows, hidden] bf16 tensor alive during the backward). The kernels and their bits are the same either way."""
 
     dgrad1: GemmPlan
     dgrad2: GemmPlan
     wgrad1: GemmPlan
     wgrad2: GemmPlan
+    streams: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.streams, bool) or self.streams not in BWD_STREAMS:
+            raise PlanError(f"plan.backward.streams: must be one of {', '.join(map(str, BWD_STREAMS))}, "
+                            f"got {self.streams!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}
+        return {**{n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}, "streams": self.streams}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BackwardPlan":
         d = _fields(cls, data, "plan.backward")
-        return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS})
+        return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS}, streams=d.get("streams", 1))
 
 
 def _backward_bn_problem(spec: Spec, arch: Arch, name: str, bn: Any) -> str | None:
@@ -589,7 +600,7 @@ def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCo
 def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
     candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
-    return [_settle_epi_store(p, {}) for p in _candidates_any(spec, arch)]
+    return [_settle_streams(_settle_epi_store(p, {}), None) for p in _candidates_any(spec, arch)]
 
 
 def _candidates_any(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
@@ -746,8 +757,31 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     for k in epi:
         if k != "epi_store" and k.removesuffix("_epi_store") not in EPI_KERNELS:
             raise PlanError(f"plan.{k}: unknown override; allowed: {', '.join(OVERRIDES)}")
-    plan = _solve_dtype(spec, arch, **{k: v for k, v in overrides.items() if k not in epi})
-    return _settle_epi_store(plan, epi)
+    streams = overrides.get("bwd_streams")
+    rest = {k: v for k, v in overrides.items() if k not in epi and k != "bwd_streams"}
+    plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi)
+    return _settle_streams(plan, streams)
+
+
+def default_bwd_streams(spec: Spec, backward: BackwardPlan) -> int:
+    """The backward's launch streams when no override says (BackwardPlan.streams)."""
+    return 1
+
+
+def _settle_streams(plan: Plan, streams: Any) -> Plan:
+    """The backward's streams: the ``bwd_streams`` override (checked) or :func:`default_bwd_streams`."""
+    if plan.backward is None:
+        if streams is not None:
+            raise PlanError("plan.bwd_streams: this plan has no backward kernels")
+        return plan
+    if streams is None:
+        streams = default_bwd_streams(plan.spec, plan.backward)
+        notes = plan.notes
+    else:
+        if isinstance(streams, bool) or streams not in BWD_STREAMS:
+            raise PlanError(f"plan.bwd_streams: must be one of {', '.join(map(str, BWD_STREAMS))}, got {streams!r}")
+        notes = plan.notes + (f"overrides: bwd_streams={streams}",)
+    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, streams=streams), notes=notes)
 
 
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:

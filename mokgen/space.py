@@ -102,6 +102,10 @@ SM90 = ArchSpace(
              doc="the bf16 output: through the stage ring, TMA-stored by a storer warp, or through the epi_stages "
                  "buffers by the first consumer warp; derived: ring where the tile allows (TMA-loaded A, "
                  "cooperative, no cluster)"),
+        Knob("streams", ("bwd",), (1, 2), search=(1, 2),
+             doc="the backward's launch streams: 2 runs the weight gradients (and the x-row gather) on a second "
+                 "stream beside dgrad2 and the combine, filling each kernel's last wave (one more [rows, hidden] "
+                 "bf16 buffer); same kernels, same bits"),
         Knob("z_load", ("dgrad1",), ("tma", "direct"), search=("tma", "direct"),
              doc="dgrad1's z: through the stage ring by TMA (dz stored from there) or global loads by the consumer "
                  "threads; derived: tma where a W stage holds a whole z stage (cooperative 128-row tiles)"),
@@ -181,7 +185,7 @@ BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1
                         "dgrad1_epi_store", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages", "dgrad2_epi_store",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
-                        "wgrad2_epi_stages", "wgrad2_epi_store")
+                        "wgrad2_epi_stages", "wgrad2_epi_store", "bwd_streams")
 
 
 def backward_kernel(key: str) -> str:

@@ -557,7 +557,7 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
         ratio1 = {c.label: _geo_ratio(c, base, tokens, "single") for c in ready}
         # each backward GEMM's best variant, composed
         composed: dict[str, Any] = {}
-        for kernel in P.BACKWARD_GEMMS:
+        for kernel in P.BACKWARD_GEMMS + ("bwd",):   # "bwd": the whole backward's knobs (bwd_streams)
             own = [c for c in ready if c.cfg and all(S.backward_kernel(k) == kernel for k in c.cfg)]
             best = min(own, key=lambda c: ratio1[c.label], default=None)
             if best is not None and ratio1[best.label] < 1.0:

@@ -89,3 +89,33 @@ def test_fp8_autograd_and_main_grad():
     assert w1l.grad is None and w2l.grad is None
     # fp32 accumulation of the same products: equal to the bf16 gradient up to its rounding
     assert R.rel_err(g.w1.float(), mg1.double()) < 1e-2 and R.rel_err(g.w2.float(), mg2.double()) < 1e-2
+
+
+def test_fp8_backward_sequence_and_two_streams():
+    """The FP8 training step launches what launch_sequence says (dO's rows quantized before dgrad1, dz's before
+    dgrad2), on one backward stream and on two (plan bwd_streams 2: the bf16 weight gradients first, on the side
+    stream), with the same gradient bits."""
+    from mokgen.ops import GATHER_KERNEL
+
+    grads = {}
+    for streams in (1, 2):
+        spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=5)
+        pl2 = P.solve(spec, bwd_streams=streams)
+        assert pl2.backward.streams == streams
+        calls = []
+        fns = {n: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, n)
+               for n, f in R.reference_kernels(spec, pl2.bm, training=True).items()}
+        moe = CompiledMoE(spec, pl2, functions=fns, allow_cpu=True)
+        moe(x, idx, wt, w1, w2)   # the weights' e4m3 copies made (a steady step does not launch quant_w)
+        y, saved = moe.forward_train(x, idx, wt, w1, w2)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+        moe.backward(dy, saved, x, wt, w1, w2)   # the transposed copies made
+        y, saved = moe.forward_train(x, idx, wt, w1, w2)
+        del calls[:]
+        g = moe.backward(dy, saved, x, wt, w1, w2)
+        kernel = {"gather_dO": GATHER_KERNEL, "gather_x": GATHER_KERNEL, "combine_dx": "combine"}
+        seq = moe.launch_sequence()
+        assert calls == [kernel.get(ph, ph) for ph in seq[seq.index("gather_dO"):]], (calls, seq)
+        grads[streams] = g
+    for name in ("x", "topk_weight", "w1", "w2"):
+        assert torch.equal(getattr(grads[1], name), getattr(grads[2], name)), name

@@ -742,3 +742,48 @@ def test_import_mokgen_is_light():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_backward_two_streams_same_bits_and_order(bias, main_grad):
+    """plan.backward.streams 2: the weight gradients (wgrad2, the x-row gather, wgrad1) are launched right after
+    dgrad1 (on the side stream on a GPU), dgrad2 writes a buffer of its own, and every gradient has the bits of
+    the one-stream order (the reference kernels here; the GPU suite repeats it on the real ones)."""
+    cfg = small(activation="swiglu_oai", layout="interleaved", bias=bias, shared=1, T=29) if bias else small(T=29)
+    got = {}
+    for streams in (1, 2):
+        moe, rec = emulated(cfg)
+        moe._bwd_streams = streams   # what CompiledMoE reads from plan.backward.streams
+        x, idx, w, w1, w2, b1, b2, _ = op_args(cfg, moe, T=29)
+        dy = torch.randn(29, cfg.hidden, generator=torch.Generator().manual_seed(3)).bfloat16()
+        saved = moe.forward_train(x, idx, w, w1, w2, b1, b2)[1]
+        n0 = len(rec.calls)
+        mg = (torch.full(w1.shape, 0.5), torch.full(w2.shape, -0.25)) if main_grad else (None, None)
+        g = moe.backward(dy, saved, x, w, w1, w2, b1, b2, w1_main_grad=mg[0], w2_main_grad=mg[1])
+        names = rec.names[n0:]
+        got[streams] = (g, mg, names)
+        # launch_sequence (what profilers are told) is the backward's host launch order
+        kernel = {"gather_dO": ops.GATHER_KERNEL, "gather_x": ops.GATHER_KERNEL, "combine_dx": "combine"}
+        seq = moe.launch_sequence()
+        seq = [kernel.get(ph, ph) for ph in seq[seq.index("gather_dO"):]]
+        assert [n.removesuffix("_acc") for n in names] == seq, (names, seq)
+        # with two streams dgrad2's output is not the buffer wgrad2 reads (and the x rows are gathered into)
+        dg2_out = [a for n, a in rec.calls[n0:] if n == "dgrad2"][0]
+        wg_in = [a for n, a in rec.calls[n0:] if n.startswith("wgrad2")][0]
+        shared_buf = any(t.dim() == 2 and t.shape == u.shape and t.data_ptr() == u.data_ptr()
+                         for t in dg2_out if isinstance(t, torch.Tensor) for u in wg_in if isinstance(u, torch.Tensor))
+        assert shared_buf == (streams == 1), names
+    wg2, wg1 = ("wgrad2_acc", "wgrad1_acc") if main_grad else ("wgrad2", "wgrad1")
+    order1, order2 = got[1][2], got[2][2]
+    assert order1.index(wg2) < order1.index("dgrad2") < order1.index(wg1)
+    assert order2.index(wg2) < order2.index(wg1) < order2.index("dgrad2")   # the side stream's work goes first
+    assert sorted(order1) == sorted(order2)
+    (g1, mg1, _), (g2, mg2, _) = got[1], got[2]
+    for n in ref.Grads._fields:
+        a, b = getattr(g1, n), getattr(g2, n)
+        assert (a is None) == (b is None), n
+        if a is not None:
+            assert torch.equal(a, b), n
+    if main_grad:
+        assert torch.equal(mg1[0], mg2[0]) and torch.equal(mg1[1], mg2[1])

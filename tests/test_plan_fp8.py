@@ -102,7 +102,7 @@ def test_fp8_tune_space(name):
                                                        for c in (1, 2)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
-                                                 "dgrad2_epi_store")) for c in bwd)
+                                                 "dgrad2_epi_store", "bwd_streams")) for c in bwd)
     for cfg in fwd + bwd:
         p = solve(spec, **cfg)
         assert not configs.check_plan(p), (cfg, configs.check_plan(p))

@@ -98,6 +98,11 @@ def test_every_backward_variant_satisfies_the_constraints(name):
         assert (p.gemm1, p.gemm2, p.bm) == (base.gemm1, base.gemm2, base.bm)  # the forward is untouched
         (key, value), = cfg.items()
         kernel, _, field = key.partition("_")
+        if kernel == "bwd":   # the whole backward's knob: the GEMMs' tiles are the default's
+            assert getattr(p.backward, field) == value
+            assert all(getattr(p.backward, n) == getattr(base.backward, n) for n in P.BACKWARD_GEMMS)
+            plans.add(p.backward)
+            continue
         g = getattr(p.backward, kernel)
         assert getattr(g, field) == value
         assert g.smem_bytes() <= a.smem_per_cta and P.MIN_STAGES <= g.stages
@@ -118,6 +123,11 @@ def test_every_backward_variant_satisfies_the_constraints(name):
             src = emit.emit(P.solve(spec, "sm_90a", **cfg)).files
             (key, value), = cfg.items()
             kernel, _, field = key.partition("_")
+            if kernel == "bwd":   # a launch choice: every kernel renders as the default's (but the plan header)
+                def body(files):
+                    return {n: [ln for ln in t.splitlines() if not ln.startswith("# plan: ")] for n, t in files.items()}
+                assert body(src) == body(emit.emit(base).files)
+                continue
             text = src[f"{kernel}.py"]
             want = {"bn": f"BN = {value}", "stages": f"STAGES = {value}", "raster_group": f"RASTER = {value}",
                     "z_chunk": f"Z_CHUNK = {value}", "consumer": "PINGPONG = True" if value == "pingpong" else
@@ -136,6 +146,7 @@ def test_backward_overrides_are_validated_with_one_line_errors():
         "wgrad2_raster_group": (0, "must be in [1, 64]"),
         "dgrad1_z_chunk": (32, "dividing the 16 z pairs"),  # with dgrad1 bn 64: 16 pairs, 32 does not divide
         "wgrad1_bn": (100, "tile N must be one of"),
+        "bwd_streams": (3, "must be one of 1, 2"),
     }
     for key, (value, msg) in cases.items():
         with pytest.raises(P.PlanError) as e:
