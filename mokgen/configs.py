@@ -91,6 +91,9 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
             out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
+    for key in [k for k in cfg if k.endswith("_promote") and cfg[k] == "stagger"]:
+        if not out and (why := P.stagger_problem(_fp8_gemm_of(P.solve(spec, arch), key.removesuffix("_promote")))):
+            out.append(f"{key}: stagger {why}")
     if cfg.get("dgrad1_z_load") == "tma" and not out and (why := P.z_stage_problem(P.solve(spec, arch).backward.dgrad1)):
         out.append(f"dgrad1_z_load: tma {why}")
     if "dgrad1_z_chunk" in cfg and not out:   # against the FP8 dgrad1's tile
@@ -102,6 +105,10 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
     if not out and wgrad:   # the BF16 weight-gradient GEMMs: their own constraints
         out += _check_backward_config(spec, arch, wgrad)
     return out
+
+
+def _fp8_gemm_of(plan: Any, name: str) -> Any:
+    return getattr(plan, name) if name in ("gemm1", "gemm2") else getattr(plan.backward, name)
 
 
 def _check_backward_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
@@ -183,6 +190,15 @@ def check_plan(plan: Any) -> list[str]:
             out.append(f"{name}.a_hint {g.a_hint!r} but A is not loaded by TMA tiles")
     if plan.backward is not None:
         out += _check_backward_plan(plan)
+    fp8_gemms = [("gemm1", plan.gemm1), ("gemm2", plan.gemm2)] + (
+        [("backward.dgrad1", plan.backward.dgrad1), ("backward.dgrad2", plan.backward.dgrad2)] if plan.backward else [])
+    for name, g in fp8_gemms:
+        if g.promote not in sp_.values("promote", "gemm1"):
+            out.append(f"{name}.promote {g.promote!r} not in the space")
+        elif g.promote != "serial" and g.elem_bytes != 1:
+            out.append(f"{name}.promote {g.promote!r}: the promotion applies to FP8 GEMMs")
+        elif g.promote == "stagger" and (why := P.stagger_problem(g)) is not None:
+            out.append(f"{name}.promote stagger {why}")
     if plan.schedule == "fused":
         g1, g2 = plan.gemm1, plan.gemm2
         if g1.bn != g2.bn or spec.hidden % g2.bn or g1.a_load != "gather":

@@ -235,7 +235,7 @@ class GemmPlan:
     # thread holds; more in flight hide more latency, each costs 2 registers)
     z_chunk: int = Z_CHUNK
     elem_bytes: int = ELEM_BYTES  # bytes per operand element: 2 (bf16) or 1 (e4m3, FP8 specs: see fp8_gemm)
-    promote: str = "serial"  # FP8: "serial" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
+    promote: str = "serial"  # FP8: "serial", "stagger" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
     # dgrad1's z: "tma" = through the stage ring (z_stage_problem), "direct" = global loads by the consumer threads
     z_load: str = "direct"
     # the bf16 output: "ring" = through the stage ring, TMA-stored by a storer warp (epi_ring_problem); "smem" =
@@ -840,9 +840,26 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if key is not None:
             if overrides[key] not in promotes:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(promotes)}, got {overrides[key]!r}")
-            gemms[name] = dataclasses.replace(gemms[name], promote=overrides[key])
+            mode = overrides[key]
+            if mode == "stagger" and (why := stagger_problem(gemms[name])) is not None:
+                if key != "promote":   # the shared key asks for it where it applies
+                    raise PlanError(f"plan.{key}: stagger {why}")
+                mode = "serial"
+            gemms[name] = dataclasses.replace(gemms[name], promote=mode)
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
     return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
+
+
+def stagger_problem(g: GemmPlan) -> str | None:
+    """Why FP8 GEMM `g` cannot offset its two warpgroups by a K block (promote "stagger"), or None. Warpgroup 1
+    waits at each tile's start for warpgroup 0 to have promoted that tile's first block (one named barrier per
+    tile); warpgroup 0 may then be at most `stages` ring stages ahead, so a tile needs at least that many K
+    blocks, or warpgroup 0 could arrive for the next tile before warpgroup 1 has waited for this one."""
+    if g.consumer != "cooperative":
+        return f"needs cooperative tiles (two warpgroups per tile), got {g.consumer}"
+    if g.k_tiles < g.stages:
+        return f"needs at least as many K blocks per tile as stages ({g.k_tiles} < {g.stages})"
+    return None
 
 
 def _fp8_arch(arch: str) -> Arch:

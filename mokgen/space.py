@@ -89,9 +89,11 @@ SM90 = ArchSpace(
              doc="L2 eviction priority of the W-tile TMA loads"),
         Knob("a_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
              doc="L2 eviction priority of TMA-loaded A tiles"),
-        Knob("promote", _FWD + ("dgrad1", "dgrad2"), ("serial", "overlap"), shared=True, search=("serial", "overlap"),
-             doc="FP8 specs: each K block's wgmma waited before its promotion, or the next block's issued first "
-                 "(two per-block accumulators)"),
+        Knob("promote", _FWD + ("dgrad1", "dgrad2"), ("serial", "stagger", "overlap"), shared=True,
+             search=("serial", "stagger", "overlap"),
+             doc="FP8 specs: each K block's wgmma waited before its promotion (serial), the same with the two "
+                 "warpgroups one block apart so one promotes while the other's wgmma runs (stagger), or the next "
+                 "block's issued first (overlap: two per-block accumulators)"),
         Knob("schedule", ("plan",), ("chain", "fused"), search=("chain", "fused"),
              doc="four launches, or routing + one persistent kernel"),
         Knob("consumer", ("dgrad1", "dgrad2"), ("cooperative", "pingpong"), search=("cooperative", "pingpong"),

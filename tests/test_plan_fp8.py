@@ -1,9 +1,12 @@
 """The FP8 plans (spec dtype fp8, mokgen.plan.fp8_plan): what the FP8 GEMM form fixes, what stays BF16, the
 overrides that apply and those refused, candidates and round trips. CPU only."""
 
+import dataclasses
+
 import pytest
 
 from mokgen import configs
+from mokgen import plan as P
 from mokgen.emit import emit
 from mokgen.plan import MIN_STAGES, Plan, PlanError, candidates, get_arch, solve
 from mokgen.spec import list_presets, load_spec
@@ -60,7 +63,7 @@ def test_fp8_overrides():
     assert solve(spec, gemm2_stages=4).gemm2.stages == 4
     with pytest.raises(PlanError, match=r"^plan\.gemm2_stages: must be in \[3, 6\]"):
         solve(spec, gemm2_stages=7)
-    with pytest.raises(PlanError, match=r"^plan\.promote: must be one of serial, overlap, got 'fast'$"):
+    with pytest.raises(PlanError, match=r"^plan\.promote: must be one of serial, stagger, overlap, got 'fast'$"):
         solve(spec, promote="fast")
     with pytest.raises(PlanError, match=r"^plan\.promote: the promotion mode applies to FP8 specs"):
         solve(load_spec("kimi-k2"), promote="overlap")
@@ -77,6 +80,25 @@ def test_fp8_overrides():
     assert solve(spec, gemm2_cluster=2).gemm1.cluster == 1
     assert configs.check_config(load_spec("kimi-k2"), "sm_90a", {"promote": "overlap"}) == [
         "promote: the promotion mode applies to FP8 specs"]
+    # stagger: every FP8 GEMM whose tiles have at least as many K blocks as stages (qwen3-30b-a3b's GEMM 2: 6 = 6)
+    p = solve(spec, promote="stagger")
+    assert {p.gemm1.promote, p.gemm2.promote, p.backward.dgrad1.promote, p.backward.dgrad2.promote} == {"stagger"}
+    assert configs.check_plan(p) == []
+    short = solve(spec, gemm2_stages=3, promote="stagger")   # kimi-k2's GEMM 2: 16 K blocks
+    assert short.gemm2.promote == "stagger"
+    few = dataclasses.replace(short.gemm2, k_tiles=2)
+    assert P.stagger_problem(few) == "needs at least as many K blocks per tile as stages (2 < 3)"
+    assert any("gemm2.promote stagger needs" in m for m in configs.check_plan(dataclasses.replace(short, gemm2=few)))
+
+
+def test_fp8_emit_stagger():
+    files = emit(solve(load_spec("kimi-k2-fp8"), promote="stagger")).files
+    for f in ("gemm1.py", "gemm2.py", "dgrad1.py", "dgrad2.py"):
+        src = files[f]
+        assert 'PROMOTE = "stagger"' in src and "STAGGER_BAR = 5" in src and "cwg = wg - 1" in src
+        assert src.count("barrier_id=STAGGER_BAR") == 2 and "acc_k1" not in src
+    serial = emit(solve(load_spec("kimi-k2-fp8"))).files["gemm2.py"]
+    assert "STAGGER_BAR" not in serial
 
 
 def test_fp8_emit():
@@ -98,7 +120,7 @@ def test_fp8_tune_space(name):
     path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
-    assert sorted(map(str, fwd)) == sorted(map(str, [{"promote": p, "cluster": c} for p in ("serial", "overlap")
+    assert sorted(map(str, fwd)) == sorted(map(str, [{"promote": p, "cluster": c} for p in ("serial", "stagger", "overlap")
                                                        for c in (1, 2)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
