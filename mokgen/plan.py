@@ -888,6 +888,13 @@ FP8_BK = 128  # one scale block along K per stage (the promotion interval)
 FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per consumer thread at 128 columns
 
 
+# The FP8 GEMMs' default promotion (gemm1, gemm2, dgrad1, dgrad2): the forward GEMMs overlap each K block's
+# promotion with the next block's wgmma (chains of 8 blocks); measured, same process (bench/NOTES.md v13):
+# forward+backward kimi-k2 6.44 vs 6.59 ms, qwen3-30b-a3b 2.15 vs 2.52, gpt-oss-120b 7.41 vs 7.53; with the dgrads
+# overlapping too kimi-k2 and gpt-oss-120b were slower (6.77 vs 6.58, 7.61 vs 7.33), so they stay serial.
+FP8_PROMOTE = ("overlap", "overlap", "serial", "serial")
+
+
 def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     """The FP8 form of GEMM `which`'s plan (1, 2: the forward GEMMs; 3, 4: dgrad1, dgrad2): K tile 128 (one scale block per stage), tile N 128 (GEMM 1:
     64 gate + 64 up columns, so a tile's W rows of each part lie in one 128-row scale block), cooperative
@@ -900,6 +907,7 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     bn = FP8_BN if which != 3 or spec.ffn % FP8_BN == 0 else FP8_BN // 2
     fp8 = dataclasses.replace(
         g, bn=bn, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
+        promote=FP8_PROMOTE[which - 1],
         a_load="tma", n_tiles=-(-n // bn), k_tiles=-(-k // FP8_BK),
         epi_n=g.epi_n if (bn // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
         z_chunk=min(g.z_chunk, bn // 4))
@@ -1167,8 +1175,9 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
         f"  smem per stage = BK*(BM + BN)*1 B = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
         f"barriers {BARRIER_BYTES} B -> stages = {g.stages} (the most that fit, range [{MIN_STAGES}, {MAX_STAGES}]; "
         f"{g.smem_bytes()} of {arch.smem_per_cta} B, {fixed} B besides the ring)",
-        f"  promotion: {g.promote} (overlap: the next block's wgmma issued before this block's scaling; measured "
-        f"no faster on the H200, bench/NOTES.md v11)",
+        f"  promotion: {g.promote} (overlap: the next K block's wgmma issued before this block's scaling, in "
+        f"chains of 8 blocks; default for the forward GEMMs, measured 2-15% faster training steps; stagger: the "
+        f"two warpgroups one block apart, no gain measured: bench/NOTES.md v13)",
         f"  raster_group = {g.raster_group}; tiles = {_m_tiles(spec, g.bm)} M x {g.n_tiles} N = {c.tiles}; waves = "
         f"{waves:.2f} -> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
         "  cost below: the BF16 model's (no FP8 records fitted; the measured FP8 GEMMs ran 786-868 TFLOP/s on "

@@ -34,7 +34,7 @@ def test_fp8_plan_constraints(name):
         assert g.stages == 7 or Plan  # noqa: the cap
         assert (g.stages + 1) * (g.tile_m + g.bn) * g.bk + (g.smem_bytes() - g.stages * (g.tile_m + g.bn) * g.bk) \
             > a.smem_per_cta or g.stages == 7
-        assert g.promote == "serial"
+        assert g.promote == ("overlap" if any(g is f for f in fwd) else "serial")   # plan.FP8_PROMOTE
     ceil = lambda k: -(-k // 128)   # noqa: E731  (a partial last K block where 128 does not divide K)
     assert (plan.gemm1.k_tiles, plan.gemm2.k_tiles) == (ceil(spec.hidden), ceil(spec.ffn))
     assert (plan.backward.dgrad1.k_tiles, plan.backward.dgrad2.k_tiles) == (ceil(spec.hidden), ceil(2 * spec.ffn))
@@ -57,9 +57,13 @@ def test_fp8_candidates_and_round_trip(name):
 
 def test_fp8_overrides():
     spec = load_spec("kimi-k2-fp8")
-    assert solve(spec, promote="overlap").gemm1.promote == solve(spec, promote="overlap").gemm2.promote == "overlap"
-    p = solve(spec, gemm2_promote="overlap")
-    assert (p.gemm1.promote, p.gemm2.promote) == ("serial", "overlap")
+    p = solve(spec)   # default: the forward GEMMs overlap their promotion, the dgrads run it serially
+    assert (p.gemm1.promote, p.gemm2.promote, p.backward.dgrad1.promote, p.backward.dgrad2.promote) == (
+        "overlap", "overlap", "serial", "serial")
+    assert solve(spec, promote="serial").gemm1.promote == solve(spec, promote="serial").gemm2.promote == "serial"
+    assert solve(spec, promote="overlap").backward.dgrad2.promote == "overlap"
+    p = solve(spec, gemm2_promote="serial")
+    assert (p.gemm1.promote, p.gemm2.promote) == ("overlap", "serial")
     assert solve(spec, gemm2_stages=4).gemm2.stages == 4
     with pytest.raises(PlanError, match=r"^plan\.gemm2_stages: must be in \[3, 6\]"):
         solve(spec, gemm2_stages=7)
