@@ -30,17 +30,22 @@ class Arch:
     device_bytes: int = 0  # memory of the largest GPU of this arch (bounds a spec's weights + workspace)
     ptx_features: tuple[str, ...] = ()  # what `mokgen compile`'s PTX report looks for
     templates: bool = False  # kernel templates exist (emit renders this arch)
+    training: bool = False  # its backward kernels exist (plans carry a backward; entries can train)
+    note: str = ""  # what `mokgen compile` says after building for this arch (what was verified where)
 
 
 ARCHS: dict[str, Arch] = {
     # peak: the CuTe DSL dense GEMM measured on our H200; hbm: measured copy bandwidth; memory: H200 (141 GB).
     "sm_90a": Arch("sm_90a", 132, 232448 - 1024, 65536, 1024, True, False, 811.0, 4.27, 50 * 2**20,
                    capability=(9, 0), device_bytes=141 * 10**9,
-                   ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier"), templates=True),
+                   ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier"), templates=True,
+                   training=True),
     # B200 datasheet figures (180 GB), until we can measure one.
     "sm_100a": Arch("sm_100a", 148, 232448 - 1024, 65536, 1024, False, True, 2250.0, 8.0, 126 * 2**20,
                     capability=(10, 0), device_bytes=180 * 10**9,
-                    ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "tcgen05")),
+                    ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "tcgen05"), templates=True,
+                    note="sm_100a: the inference forward (tcgen05 GEMMs 1 and 2; routing, gather, combine), compiled "
+                         "here and never run on a Blackwell GPU; no backward kernels for sm_100a yet"),
 }
 ARCH_NAMES: tuple[str, ...] = tuple(ARCHS)
 

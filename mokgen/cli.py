@@ -258,6 +258,10 @@ def _report_compiled(name: str, arch: str, art: Any) -> None:
     _out(f"entry: {art.dir}")
     _out(f"library: {art.lib}")
     _print_ptx_report(build.ptx_report(art))
+    from .arch import ARCHS
+
+    if arch in ARCHS and ARCHS[arch].note:
+        _out(ARCHS[arch].note)
     if getattr(art, "status", None) in ("built", "rebuilt"):
         _print_ptxas_report(build.ptxas_report(art))
 
@@ -265,7 +269,7 @@ def _report_compiled(name: str, arch: str, art: Any) -> None:
 def _print_ptxas_report(adv: dict[str, list[str]] | None) -> None:
     """After a build, where a ptxas is at hand: its wgmma-pipeline advisories (a serialized wgmma is a kernel
     running its tensor cores one instruction at a time: a bug in the template, not the user's problem to fix)."""
-    if adv is None:
+    if not adv:   # no ptxas at hand, or no wgmma kernel (sm_100a's GEMMs are tcgen05)
         return
     bad = {k: v for k, v in adv.items() if v}
     if not bad:

@@ -311,8 +311,14 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     unknown = sorted(set(experimental) - set(EXPERIMENTS))
     if unknown:
         raise EmitError(f"experimental: unknown {unknown}; known {list(EXPERIMENTS)}")
+    if plan.arch == "sm_100a":   # Blackwell: its own GEMM template, the SIMT kernels shared (mokgen/emit_sm100.py)
+        if experimental:
+            raise EmitError(f"experimental: {list(experimental)} are sm_90a kernels' options")
+        from .emit_sm100 import emit_forward
+
+        return emit_forward(plan)
     if plan.arch != "sm_90a":
-        raise EmitError(f"plan.arch: kernel templates exist for sm_90a only so far, got {plan.arch!r}")
+        raise EmitError(f"plan.arch: kernel templates exist for sm_90a and sm_100a, got {plan.arch!r}")
     spec = plan.spec
     env = _environment()
     thash = template_hash()

@@ -1,17 +1,20 @@
 """Blackwell (sm_100a) kernel sources, rendered from ``templates/sm100/`` (issue 20; CPU compile-verified only).
 
-Not wired into :func:`mokgen.emit.emit` yet (its arch check stays sm_90a until the sm_100a forms of every kernel
-exist): :func:`render_grouped_gemm` renders the sm_100a expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
-z for training) and GEMM 2 (routing weight) from one template (``templates/sm100/grouped_gemm.py.j2``) for a plan
-solved with ``mokgen.plan.solve(spec, "sm_100a")``, with the parameter names the sm_90a
-``_grouped_params`` computes, so the two templates share one render context as far as their features overlap.
+:func:`emit_forward` is what :func:`mokgen.emit.emit` returns for a plan solved for sm_100a: the inference forward
+(routing, gather, GEMM 1, GEMM 2, combine). The two GEMMs come from ``templates/sm100/grouped_gemm.py.j2``
+(tcgen05.mma, accumulators in tensor memory, TMA loads); routing, gather and combine are the SIMT kernels of
+``templates/sm90/`` (plain loads, stores and integer atomics: no Hopper-only instruction), rendered unchanged and
+compiled for sm_100a. No backward kernels exist for sm_100a yet (the plan carries none). Nothing here has run on a
+Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
+z for training) and GEMM 2 (routing weight) with the parameter names the sm_90a ``_grouped_params`` computes, so
+the two templates share one render context as far as their features overlap.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from . import kernels
-from .emit import EmitError, _activation, _environment, _header, _w1_strides, template_hash
+from .emit import EmitError, Sources, _activation, _environment, _header, _table, _w1_strides, template_hash
 from .plan import Plan, get_arch
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
@@ -142,3 +145,32 @@ def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:
         for n in range(n_tiles):
             out.extend((p0 + i, n) for i in range(rows))
     return out
+
+
+def emit_forward(plan: Plan) -> Sources:
+    """The sm_100a sources of `plan`'s inference forward: routing, gather (GEMM 1 reads the gathered rows by TMA
+    tiles), gemm1, gemm2 (templates/sm100/grouped_gemm.py.j2), combine (the shared SIMT templates)."""
+    if plan.arch != "sm_100a":
+        raise EmitError(f"plan.arch: emit_forward renders sm_100a kernels, got {plan.arch!r}")
+    spec = plan.spec
+    if spec.dtype != "bf16":
+        raise EmitError(f"spec.dtype: the sm_100a kernels are BF16 only so far, got {spec.dtype!r}")
+    if plan.schedule != "chain" or plan.gemm1.a_load != "tma" or plan.backward is not None:
+        raise EmitError("plan: an sm_100a plan runs the chain schedule, GEMM 1 on gathered rows (a_load 'tma') and "
+                        "no backward kernels (mokgen.plan.solve(spec, 'sm_100a') gives that form)")
+    env = _environment()
+    thash = template_hash()
+    files: dict[str, str] = {}
+
+    def render(template: str, out_name: str, title: str, **params: Any) -> None:
+        files[f"{out_name}.py"] = env.get_template(template).render(
+            header=_header(plan, template, thash), name=out_name, title=title, spec_name=spec.name, **params)
+
+    render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
+           shared=spec.shared_experts, bm=plan.bm, zero_sync=False, **_table(kernels.table_key("routing", False)))
+    render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=256, **_table("gather"))
+    files["gemm1.py"] = render_grouped_gemm(plan, 1)
+    files["gemm2.py"] = render_grouped_gemm(plan, 2)
+    render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
+           slots=spec.topk + spec.shared_experts, threads=128, **_table("combine"))
+    return Sources(spec=spec, plan=plan, template_hash=thash, files=files)

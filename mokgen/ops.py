@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import fp8_ops, reference
+from .arch import ARCHS
 from .kernels import call
 from .reference import LayerConfig, layer_config
 
@@ -852,9 +853,12 @@ class CompiledMoE:
 
     def _need_training(self) -> None:
         if not self.trainable:
-            why = ("its plan uses the fused schedule (training runs the chain: compile with "
-                   "overrides={'schedule': 'chain'})" if self.fused else
-                   "its cache entry was built without the training kernels (rebuild: mokgen.compile(spec, force=True))")
+            if self.fused:
+                why = "its plan uses the fused schedule (training runs the chain: compile with overrides={'schedule': 'chain'})"
+            elif (a := ARCHS.get(self.arch or getattr(self.plan, "arch", None))) is not None and not a.training:
+                why = f"no backward kernels exist for {a.name} yet (its plans are the inference forward only)"
+            else:
+                why = "its cache entry was built without the training kernels (rebuild: mokgen.compile(spec, force=True))"
             raise RuntimeError(f"mokgen {self.name}: cannot train with these kernels: {why}")
 
     def new_saved(self, tokens: int, device: torch.device) -> Saved:

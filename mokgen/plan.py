@@ -600,6 +600,8 @@ def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCo
 def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
     candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
+    if not get_arch(arch).training:   # sm_100a: one form (its rules) until it has its own ranking
+        return [_tcgen05_form(spec, arch, {})]
     return [_settle_streams(_settle_epi_store(p, {}), None) for p in _candidates_any(spec, arch)]
 
 
@@ -757,10 +759,44 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     for k in epi:
         if k != "epi_store" and k.removesuffix("_epi_store") not in EPI_KERNELS:
             raise PlanError(f"plan.{k}: unknown override; allowed: {', '.join(OVERRIDES)}")
+    if not get_arch(arch).training:   # sm_100a: the forward only, in its kernels' form
+        return _tcgen05_form(spec, arch, overrides)
     streams = overrides.get("bwd_streams")
     rest = {k: v for k, v in overrides.items() if k not in epi and k != "bwd_streams"}
     plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi)
     return _settle_streams(plan, streams)
+
+
+# sm_100a (Blackwell): the plan's sm_100a rules until its own cost model and tile rules exist. The forward GEMMs
+# are mokgen/emit_sm100.py's tcgen05 kernels, which read GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per
+# 128-row UMMA tile (cooperative, cluster 1) in the chain schedule and size their own TMEM and stage ring from the
+# tile N and stages solved here with the sm_90a rules; no backward kernels exist for sm_100a yet (issue 20).
+TCGEN05_ONLY = {"schedule": "chain", "cluster": 1, "gemm1_cluster": 1, "gemm2_cluster": 1, "gemm1_a_load": "tma",
+                 "consumer": "cooperative", "gemm1_consumer": "cooperative", "gemm2_consumer": "cooperative"}
+
+
+def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
+    """The plan of an arch whose kernels are the tcgen05 forward only (arch.py: training False; sm_100a)."""
+    for key, value in overrides.items():
+        if key in TCGEN05_ONLY and value != TCGEN05_ONLY[key]:
+            raise PlanError(f"plan.{key}: the {arch} kernels run {key} {TCGEN05_ONLY[key]!r} only so far, "
+                            f"got {value!r}")
+        if key == "bwd_streams" or key.startswith(("dgrad", "wgrad")):
+            raise PlanError(f"plan.{key}: {arch} has no backward kernels yet (its plans are forward only)")
+        if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint"):
+            raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
+    if spec.dtype != "bf16":
+        raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (BF16 only; mxfp8 comes with "
+                        f"the Blackwell issue), got dtype {spec.dtype!r}")
+    rest = {k: v for k, v in overrides.items() if k not in ("schedule", "consumer")}
+    plan = _solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
+    g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
+    g2 = dataclasses.replace(plan.gemm2, cluster=1)
+    notes = tuple(n for n in plan.notes if not n.startswith("overrides: consumer=cooperative")
+                  and not n.startswith("overrides: schedule=chain"))
+    notes += (f"{arch}: the tcgen05 forward GEMMs (GEMM 1 on gathered rows), chain schedule; no backward kernels "
+              "yet (issue 20)",)
+    return dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=None, notes=notes)
 
 
 def default_bwd_streams(spec: Spec, backward: BackwardPlan) -> int:
@@ -940,7 +976,7 @@ def _solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         return fused_tiles_ok(spec, p.gemm1, p.gemm2) and p.gemm1.consumer == p.gemm2.consumer == "cooperative"
 
     best = next(
-        (p for p in candidates(spec, arch)
+        (p for p in _candidates_any(spec, arch)
          if p.gemm1.bn == overrides.get("gemm1_bn", p.gemm1.bn) and p.gemm2.bn == overrides.get("gemm2_bn", p.gemm2.bn)
          and fits(p)), None)
     if best is None:

@@ -1,4 +1,4 @@
-"""Regenerate generated/<preset>/ (the emitted sm_90a sources of every shipped preset).
+"""Regenerate generated/<preset>/ (the emitted sm_90a sources of every shipped preset) and generated/sm_100a/<preset>/.
 
     python tools/regen_generated.py          # rewrite generated/
     python tools/regen_generated.py --check  # exit 1 if generated/ differs from what emit produces now
@@ -22,15 +22,35 @@ from mokgen.spec import list_presets  # noqa: E402
 
 GENERATED = ROOT / "generated"
 ARCH = "sm_90a"
+# other archs' sources go to generated/<arch>/<preset>/, for the presets their plans cover
+OTHER_ARCHS = ("sm_100a",)
 
 
 def expected() -> dict[str, dict[str, str]]:
-    return {spec.name: emit(solve(spec, ARCH)).files for spec in list_presets()}
+    """{directory under generated/: {file: text}}: generated/<preset>/ for sm_90a, generated/<arch>/<preset>/ for
+    the other archs (the presets they plan: sm_100a has no FP8 yet)."""
+    from mokgen.plan import PlanError
+
+    out = {spec.name: emit(solve(spec, ARCH)).files for spec in list_presets()}
+    for arch in OTHER_ARCHS:
+        for spec in list_presets():
+            try:
+                plan = solve(spec, arch)
+            except PlanError:
+                continue
+            out[f"{arch}/{spec.name}"] = emit(plan).files
+    return out
+
+
+def _leaf_dirs() -> set[str]:
+    if not GENERATED.is_dir():
+        return set()
+    return {str(p.parent.relative_to(GENERATED)) for p in GENERATED.rglob("*.py")}
 
 
 def differences(want: dict[str, dict[str, str]]) -> list[str]:
     out = []
-    have_dirs = {p.name for p in GENERATED.iterdir() if p.is_dir()} if GENERATED.is_dir() else set()
+    have_dirs = _leaf_dirs()
     for name in sorted(have_dirs - set(want)):
         out.append(f"generated/{name}/: no such preset any more")
     for name, files in sorted(want.items()):
@@ -64,7 +84,7 @@ def main(argv=None) -> int:
         d.mkdir(parents=True)
         for f, text in files.items():
             (d / f).write_text(text)
-    print(f"wrote {sum(len(f) for f in want.values())} files for {len(want)} presets into {GENERATED}")
+    print(f"wrote {sum(len(f) for f in want.values())} files for {len(want)} preset/arch pairs into {GENERATED}")
     return 0
 
 
