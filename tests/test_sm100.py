@@ -283,3 +283,21 @@ def test_mokgen_compile_sm100a_builds_the_forward(tmp_path, monkeypatch, capsys)
     assert rows["gemm1"][:4] == ["-", "yes", "yes", "yes"] and rows["gemm2"][:4] == ["-", "yes", "yes", "yes"]
     assert all(r[-1] == "yes" for r in rows.values())   # every kernel targets sm_100a
     assert "never run on a Blackwell GPU" in out and "wgmma pipelined" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BF16_PRESETS)
+def test_preset_forward_compiles_for_sm100a(name, tmp_path):
+    """Every BF16 preset's sm_100a forward (what `mokgen compile --arch sm_100a` builds) compiles on this CPU
+    machine: every kernel targets sm_100a, the GEMMs are tcgen05 + TMA + mbarrier, no wgmma anywhere."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+    from mokgen.emit import emit
+
+    art = build.build(emit(_plan(name)), "sm_100a", tmp_path, progress=False)
+    report = build.ptx_report(art)
+    assert sorted(report) == ["combine", "gather", "gemm1", "gemm2", "routing"]
+    for k, r in report.items():
+        assert r["target"] and not r["wgmma.mma_async"], (k, r)
+    for k in ("gemm1", "gemm2"):
+        assert report[k]["tcgen05"] and report[k]["cp.async.bulk.tensor"] and report[k]["mbarrier"], report[k]
