@@ -27,6 +27,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: compiles kernels (minutes on 2 cores); run by default")
+    config.addinivalue_line("markers", "training: needs the visible GPU's arch to have backward kernels "
+                            "(mokgen.arch: Arch.training); skipped on an arch that has the forward only (sm_100a)")
+    config.addinivalue_line("markers", "fp8: needs the visible GPU's arch to plan dtype fp8 (sm_90a)")
 
 
 def _cuda_available() -> bool:
@@ -41,13 +44,33 @@ def _cuda_available() -> bool:
         return False
 
 
+def _visible_arch() -> str | None:
+    """The mokgen arch of the visible GPU (None: no GPU, or one mokgen has no arch for)."""
+    try:
+        import torch
+
+        from mokgen.arch import arch_by_capability
+
+        return arch_by_capability(tuple(torch.cuda.get_device_capability()))
+    except Exception:
+        return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_slow = config.getoption("--skip-slow") or os.environ.get("MOKGEN_SKIP_SLOW", "") not in ("", "0")
     gpu_items = [it for it in items if "gpu" in it.keywords]
     no_gpu = bool(gpu_items) and not _cuda_available()
+    arch = None if no_gpu or not gpu_items else _visible_arch()
     for it in items:
         if no_gpu and "gpu" in it.keywords:
             it.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
+        elif arch is not None and "gpu" in it.keywords:
+            from mokgen.arch import ARCHS
+
+            if "training" in it.keywords and not ARCHS[arch].training:
+                it.add_marker(pytest.mark.skip(reason=f"the visible GPU's arch {arch} has no backward kernels yet"))
+            if "fp8" in it.keywords and arch != "sm_90a":
+                it.add_marker(pytest.mark.skip(reason=f"dtype fp8 is planned for sm_90a only, the GPU is {arch}"))
         if skip_slow and "slow" in it.keywords:
             it.add_marker(pytest.mark.skip(reason="slow tests skipped (--skip-slow / MOKGEN_SKIP_SLOW)"))
 

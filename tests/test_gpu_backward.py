@@ -37,7 +37,7 @@ from mokgen import reference as ref  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.ops import cap_rows  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.training]
 
 # the presets, and a bench spec of the few-large-experts class (16 experts of FFN 10752: long varlen-K wgrads)
 PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b",

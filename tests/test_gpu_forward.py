@@ -202,6 +202,7 @@ def test_arch_mismatch_is_refused(case):
         wrong.close()
 
 
+@pytest.mark.training
 def test_module_forward_backward():
     """nn.Module on one preset (fewer tokens): the forward and every gradient (x, topk_weight, w1, w2, and the
     biases where the spec has them) through the generated kernels, against the float64 reference."""

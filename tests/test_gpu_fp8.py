@@ -31,7 +31,7 @@ import mokgen  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.fp8]
 
 PRESETS = ["qwen3-30b-a3b", "kimi-k2", "gpt-oss-120b"]
 if os.environ.get("MOKGEN_GPU_PRESETS"):

@@ -22,7 +22,7 @@ import torch
 
 from mokgen import fp8_ops, kernels
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.fp8]
 DEV = "cuda"
 TIMED_ROWS = int(os.environ.get("MOKGEN_GPU_QUANT_ROWS", "32768"))
 

@@ -32,7 +32,7 @@ from mokgen.integrations import grouped as G
 from mokgen.reference import rel_err
 from test_grouped import loop_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.training]
 DEV = "cuda"
 TOL = 1e-2
 ROWS = int(os.environ.get("MOKGEN_GPU_GROUPED_ROWS", "8192"))

@@ -37,7 +37,7 @@ from mokgen import reference as ref  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.ops import RoutingError  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.training]
 
 PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
 if os.environ.get("MOKGEN_GPU_PRESETS"):

@@ -42,7 +42,7 @@ import mokgen.integrations.transformers as mt  # noqa: E402
 
 import hf_models as H  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.training]
 DEV = "cuda"
 FAMILIES = [f.strip() for f in os.environ.get("MOKGEN_HF_FAMILIES", ",".join(H.FAMILIES)).split(",") if f.strip()]
 
