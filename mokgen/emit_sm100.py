@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels
-from .emit import EmitError, Sources, _activation, _environment, _header, _table, _w1_strides, template_hash
+from .emit_base import EmitError, Sources, _activation, _environment, _header, _table, _w1_strides, template_hash
 from .plan import Plan, get_arch
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"

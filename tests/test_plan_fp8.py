@@ -71,7 +71,7 @@ def test_fp8_overrides():
         solve(spec, promote="fast")
     with pytest.raises(PlanError, match=r"^plan\.promote: the promotion mode applies to FP8 specs"):
         solve(load_spec("kimi-k2"), promote="overlap")
-    with pytest.raises(PlanError, match=r"^plan\.arch: dtype fp8 .* is planned for sm_90a, got 'sm_100a'"):
+    with pytest.raises(PlanError, match=r"^plan\.arch: dtype fp8 is not planned for sm_100a yet"):
         solve(spec, "sm_100a")
     assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
         "gemm1_bn: fixed by the FP8 form (tile N 128)"]
