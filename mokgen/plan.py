@@ -585,7 +585,7 @@ def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[
 def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCost) -> tuple[str, ...]:
     notes = []
     if not arch.has_wgmma:
-        notes.append(f"{arch.name}: planned with the sm_90a tile rules; its tcgen05 kernels come later")
+        notes.append(f"{arch.name}: tiles and cost from the sm_90a rules and model (nothing measured on {arch.name})")
     if spec.hidden % g2.bn:
         notes.append(
             f"GEMM2 bn {g2.bn} leaves a partial N tile: hidden {spec.hidden} % {g2.bn} = {spec.hidden % g2.bn}")

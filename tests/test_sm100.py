@@ -301,3 +301,14 @@ def test_preset_forward_compiles_for_sm100a(name, tmp_path):
         assert r["target"] and not r["wgmma.mma_async"], (k, r)
     for k in ("gemm1", "gemm2"):
         assert report[k]["tcgen05"] and report[k]["cp.async.bulk.tensor"] and report[k]["mbarrier"], report[k]
+
+
+def test_mokgen_plan_explain_sm100a(capsys):
+    """`mokgen plan SPEC --arch sm_100a --explain` explains the plan it emits (no piecewise tuning re-solved with
+    knobs the sm_100a kernels refuse) and says nothing was measured for the arch."""
+    from mokgen import cli
+
+    assert cli.main(["plan", "kimi-k2", "--arch", "sm_100a", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "tuning: none for sm_100a" in out and "nothing measured on sm_100a" in out
+    assert "no backward kernels yet" in out and "error" not in out
