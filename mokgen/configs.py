@@ -40,7 +40,7 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
         return out
     if getattr(spec, "dtype", "bf16") == "fp8":
         return _check_fp8_config(spec, arch, cfg)
-    if any(k in cfg for k in ("promote", "gemm1_promote", "gemm2_promote")):
+    if any(k.endswith("promote") for k in cfg):
         return [f"{k}: the promotion mode applies to FP8 specs" for k in cfg if k.endswith("promote")]
     fused = cfg.get("schedule", "chain") == "fused"
     for which, kernel in ((1, "gemm1"), (2, "gemm2")):

@@ -177,8 +177,9 @@ def axis_values(arch: str, axis: str) -> tuple[Any, ...]:
 
 
 # The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
-# schedule: mokgen.plan.fp8_gemm)
-FP8_SEARCH_AXES = ("promote", "cluster")
+# schedule: mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape:
+# bench/NOTES.md v13) and the W-tile cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
+FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "cluster")
 
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
@@ -187,7 +188,7 @@ BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1
                         "dgrad1_epi_store", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages", "dgrad2_epi_store",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
-                        "wgrad2_epi_stages", "wgrad2_epi_store", "bwd_streams")
+                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams")
 
 
 def backward_kernel(key: str) -> str:

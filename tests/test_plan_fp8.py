@@ -124,11 +124,14 @@ def test_fp8_tune_space(name):
     path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
-    assert sorted(map(str, fwd)) == sorted(map(str, [{"promote": p, "cluster": c} for p in ("serial", "stagger", "overlap")
-                                                       for c in (1, 2)]))
+    modes = ("serial", "stagger", "overlap")
+    assert sorted(map(str, fwd)) == sorted(map(str, [{"gemm1_promote": p1, "gemm2_promote": p2, "cluster": c}
+                                                       for p1 in modes for p2 in modes for c in (1, 2)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
-                                                 "dgrad2_epi_store", "bwd_streams")) for c in bwd)
+                                                 "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
+                                                 "bwd_streams")) for c in bwd)
+    assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
     for cfg in fwd + bwd:
         p = solve(spec, **cfg)
         assert not configs.check_plan(p), (cfg, configs.check_plan(p))
