@@ -14,8 +14,7 @@ from typing import Any
 
 import jinja2
 
-from . import kernels
-from .emit_base import (TEMPLATE_DIR, EmitError, Sources, _activation, _environment, _header, _table,
+from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation, _environment, _header, _table,
                         _w1_strides, template_hash)
 from .emit_sm100 import emit_forward as _emit_sm100
 from .plan import L2_HINTS, Plan, epi_ring_problem, z_stage_problem
@@ -231,36 +230,24 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     if plan.arch != "sm_90a":
         raise EmitError(f"plan.arch: kernel templates exist for sm_90a and sm_100a, got {plan.arch!r}")
     spec = plan.spec
-    env = _environment()
-    thash = template_hash()
-    files: dict[str, str] = {}
-
-    def render(template: str, out_name: str, title: str, **params: Any) -> None:
-        text = env.get_template(template).render(
-            header=_header(plan, template, thash), name=out_name, title=title, spec_name=spec.name, **params
-        )
-        files[f"{out_name}.py"] = text
-
+    render = Renderer(plan)
     if spec.dtype == "fp8":  # the quantization kernels; the FP8 GEMMs are planned separately
-        files.update(emit_fp8_quant(plan, env=env, thash=thash))
+        render.files.update(emit_fp8_quant(plan, env=render.env, thash=render.thash))
     fused = plan.schedule == "fused"
-    render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
-           shared=spec.shared_experts, bm=plan.bm, zero_sync=fused, **_table(kernels.table_key("routing", fused)))
+    render.routing(zero_sync=fused)
     if fused:
         render("sm90/fused.py.j2", "fused",
                f"Fused MoE forward of {spec.name}: gathered GEMM 1 + SwiGLU, GEMM 2 + routing weight, combine",
                **_fused_params(plan), profile="fused_profile" in experimental)
-        return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
+        return render.sources()
     training = plan.backward is not None
     if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it
-        render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=256,
-               **_table("gather"))
+        render.gather()
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))
     render("sm90/grouped_gemm.py.j2", "gemm2",
            f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2))
-    render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
-           slots=spec.topk + spec.shared_experts, threads=128, **_table("combine"))
+    render.combine()
     if training:
         render("sm90/grouped_gemm.py.j2", "gemm1_train",
                f"GEMM 1 of {spec.name} for training: as gemm1, and saves the pre-activation z for the backward",
@@ -276,7 +263,7 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
                 render("sm90/wgrad.py.j2", name + ("_acc" if acc else ""),
                        f"Backward GEMM {name} of {spec.name}: {what} per expert group (varlen K)"
                        + (", added into fp32 main_grad" if acc else ""), **_wgrad_params(plan, name, acc))
-    return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
+    return render.sources()
 
 
 # the FP8 quantization kernels: template, title, template parameters (every size is symbolic: nothing from the plan)

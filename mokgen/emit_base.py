@@ -114,3 +114,36 @@ def _w1_strides(spec: Any) -> tuple[int, int]:
 def _table(kernel: str) -> dict[str, Any]:
     """A kernel's rows of the argument table (mokgen/kernels.py), for its launch signature and compile()."""
     return dict(args=kernels.ARGS[kernel], symbols=kernels.SYMBOLS[kernel])
+
+
+class Renderer:
+    """Renders one plan's kernel files into ``files`` (name.py -> text), every file headed by the plan."""
+
+    def __init__(self, plan: Plan, env: jinja2.Environment | None = None, thash: str | None = None):
+        self.plan, self.env = plan, env or _environment()
+        self.thash = thash or template_hash()
+        self.files: dict[str, str] = {}
+
+    def __call__(self, template: str, out_name: str, title: str, **params: Any) -> None:
+        self.files[f"{out_name}.py"] = self.env.get_template(template).render(
+            header=_header(self.plan, template, self.thash), name=out_name, title=title,
+            spec_name=self.plan.spec.name, **params)
+
+    # the SIMT kernels (plain loads, stores, integer atomics: no arch-specific instruction), every arch's
+    def routing(self, zero_sync: bool = False) -> None:
+        spec = self.plan.spec
+        self("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
+             shared=spec.shared_experts, bm=self.plan.bm, zero_sync=zero_sync,
+             **_table(kernels.table_key("routing", zero_sync)))
+
+    def gather(self) -> None:
+        self("sm90/gather.py.j2", "gather", "gather", hidden=self.plan.spec.hidden, bm=self.plan.bm, threads=256,
+             **_table("gather"))
+
+    def combine(self) -> None:
+        spec = self.plan.spec
+        self("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden, slots=spec.topk + spec.shared_experts,
+             threads=128, **_table("combine"))
+
+    def sources(self) -> Sources:
+        return Sources(spec=self.plan.spec, plan=self.plan, template_hash=self.thash, files=self.files)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels
-from .emit_base import EmitError, Sources, _activation, _environment, _header, _table, _w1_strides, template_hash
+from .emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
 from .plan import Plan, get_arch
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
@@ -158,19 +158,10 @@ def emit_forward(plan: Plan) -> Sources:
     if plan.schedule != "chain" or plan.gemm1.a_load != "tma" or plan.backward is not None:
         raise EmitError("plan: an sm_100a plan runs the chain schedule, GEMM 1 on gathered rows (a_load 'tma') and "
                         "no backward kernels (mokgen.plan.solve(spec, 'sm_100a') gives that form)")
-    env = _environment()
-    thash = template_hash()
-    files: dict[str, str] = {}
-
-    def render(template: str, out_name: str, title: str, **params: Any) -> None:
-        files[f"{out_name}.py"] = env.get_template(template).render(
-            header=_header(plan, template, thash), name=out_name, title=title, spec_name=spec.name, **params)
-
-    render("sm90/routing.py.j2", "routing", "routing", topk=spec.topk, experts=spec.local_experts,
-           shared=spec.shared_experts, bm=plan.bm, zero_sync=False, **_table(kernels.table_key("routing", False)))
-    render("sm90/gather.py.j2", "gather", "gather", hidden=spec.hidden, bm=plan.bm, threads=256, **_table("gather"))
-    files["gemm1.py"] = render_grouped_gemm(plan, 1)
-    files["gemm2.py"] = render_grouped_gemm(plan, 2)
-    render("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden,
-           slots=spec.topk + spec.shared_experts, threads=128, **_table("combine"))
-    return Sources(spec=spec, plan=plan, template_hash=thash, files=files)
+    render = Renderer(plan)
+    render.routing()
+    render.gather()
+    render.files["gemm1.py"] = render_grouped_gemm(plan, 1)
+    render.files["gemm2.py"] = render_grouped_gemm(plan, 2)
+    render.combine()
+    return render.sources()
