@@ -1003,23 +1003,16 @@ class CompiledMoE:
             # streams 2: dgrad2 writes a buffer of its own, so the side stream may reuse buf (dO rows, then x rows)
             dxs = torch.empty((cap, H), dtype=torch.bfloat16, device=dev) if two else buf
 
-            def weight_grads() -> None:   # wgrad2 (reads dO rows in buf), x rows into buf, wgrad1
-                if dw2 is not None:
-                    call(f, "wgrad2", a=buf, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
-                else:
-                    call(f, "wgrad2_acc", a=buf, b=sa, group_start=group_start, out=w2_main_grad, num_ctas=num_ctas)
+            def x_rows_and_wgrad1() -> None:   # buf: the x rows, once wgrad2 has read the dO rows from it
+                call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
+                call(f, "wgrad1" if dw1 is not None else "wgrad1_acc", a=dz, b=buf, group_start=group_start,
+                     out=dw1 if dw1 is not None else w1_main_grad, num_ctas=num_ctas)
+
+            with self._side_stream(dev, two):   # the weight gradients (all of them on the side stream with two)
+                call(f, "wgrad2" if dw2 is not None else "wgrad2_acc", a=buf, b=sa, group_start=group_start,
+                     out=dw2 if dw2 is not None else w2_main_grad, num_ctas=num_ctas)
                 if two:
                     x_rows_and_wgrad1()
-
-            def x_rows_and_wgrad1() -> None:
-                call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
-                if dw1 is not None:
-                    call(f, "wgrad1", a=dz, b=buf, group_start=group_start, out=dw1, num_ctas=num_ctas)
-                else:
-                    call(f, "wgrad1_acc", a=dz, b=buf, group_start=group_start, out=w1_main_grad, num_ctas=num_ctas)
-
-            with self._side_stream(dev, two):
-                weight_grads()
             if self.fp8:   # dz's used rows quantized; W1's K-major transposed e4m3 copy
                 dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
                 w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True)[2:]

@@ -602,7 +602,7 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
     if not get_arch(arch).training:   # sm_100a: one form (its rules) until it has its own ranking
         return [_tcgen05_form(spec, arch, {})]
-    return [_settle_streams(_settle_epi_store(p, {}), None) for p in _candidates_any(spec, arch)]
+    return [_settle_epi_store(p, {}) for p in _candidates_any(spec, arch)]
 
 
 def _candidates_any(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
@@ -799,25 +799,17 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
     return dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=None, notes=notes)
 
 
-def default_bwd_streams(spec: Spec, backward: BackwardPlan) -> int:
-    """The backward's launch streams when no override says (BackwardPlan.streams)."""
-    return 1
-
-
 def _settle_streams(plan: Plan, streams: Any) -> Plan:
-    """The backward's streams: the ``bwd_streams`` override (checked) or :func:`default_bwd_streams`."""
-    if plan.backward is None:
-        if streams is not None:
-            raise PlanError("plan.bwd_streams: this plan has no backward kernels")
-        return plan
+    """The backward's streams: the ``bwd_streams`` override (checked), else BackwardPlan's default of one stream
+    (two measured no faster on any shape: bench/NOTES.md v13)."""
     if streams is None:
-        streams = default_bwd_streams(plan.spec, plan.backward)
-        notes = plan.notes
-    else:
-        if isinstance(streams, bool) or streams not in BWD_STREAMS:
-            raise PlanError(f"plan.bwd_streams: must be one of {', '.join(map(str, BWD_STREAMS))}, got {streams!r}")
-        notes = plan.notes + (f"overrides: bwd_streams={streams}",)
-    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, streams=streams), notes=notes)
+        return plan
+    if plan.backward is None:
+        raise PlanError("plan.bwd_streams: this plan has no backward kernels")
+    if isinstance(streams, bool) or streams not in BWD_STREAMS:
+        raise PlanError(f"plan.bwd_streams: must be one of {', '.join(map(str, BWD_STREAMS))}, got {streams!r}")
+    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, streams=streams),
+                               notes=plan.notes + (f"overrides: bwd_streams={streams}",))
 
 
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
