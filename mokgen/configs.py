@@ -87,7 +87,15 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         out.append("schedule: the FP8 forward runs the chain schedule")
     for key in cfg:
         kernel, _, knob = key.partition("_") if key.startswith(("gemm", "dgrad")) else ("", "", key)
-        if kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
+        if key in ("gemm2_bn", "dgrad2_bn"):   # 128, or 256 in two wgmma halves (mokgen.plan.fp8_widen)
+            if cfg[key] not in P.FP8_BNS:
+                out.append(f"{key}: FP8 tiles are {' or '.join(map(str, P.FP8_BNS))} columns wide")
+            elif cfg[key] != P.FP8_BN and cfg.get(f"{kernel}_promote", "serial") != "serial":
+                out.append(f"{key}: {cfg[key]} columns promote their halves in turn (serial), not "
+                           f"{cfg[f'{kernel}_promote']}")
+            elif cfg[key] != P.FP8_BN and kernel == "gemm2" and cfg.get("gemm2_cluster", cfg.get("cluster", 1)) != 1:
+                out.append(f"{key}: {cfg[key]} columns need cluster 1")
+        elif kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
             out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
@@ -193,6 +201,9 @@ def check_plan(plan: Any) -> list[str]:
     fp8_gemms = [("gemm1", plan.gemm1), ("gemm2", plan.gemm2)] + (
         [("backward.dgrad1", plan.backward.dgrad1), ("backward.dgrad2", plan.backward.dgrad2)] if plan.backward else [])
     for name, g in fp8_gemms:
+        if g.mma_split != 1 and (g.mma_split != 2 or g.elem_bytes != 1 or g.promote != "serial" or g.bn % 2
+                                 or name in ("gemm1", "backward.dgrad1")):
+            out.append(f"{name}.mma_split {g.mma_split}: 2 only for FP8 gemm2 / dgrad2 tiles with serial promotion")
         if g.promote not in sp_.values("promote", "gemm1"):
             out.append(f"{name}.promote {g.promote!r} not in the space")
         elif g.promote != "serial" and g.elem_bytes != 1:

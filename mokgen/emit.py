@@ -150,6 +150,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         activation=activation,
         act_limit=act_limit,
         single_mma=parts == 2,
+        mma_split=g.mma_split if fp8 else 1,
         z_chunk=g.z_chunk,
         z_tma=z_tma,
         **dict(zip(("epi_ring", "epi_w"), _epi_ring(g, parts, what))),
@@ -173,8 +174,11 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
     if g.consumer != "cooperative" or a_gather:
         raise EmitError(f"{what}: the FP8 form runs cooperative consumers and TMA-loaded A "
                         f"(got {g.consumer}, a_load {g.a_load})")
+    if g.mma_split not in (1, 2) or (g.mma_split == 2 and (parts != 1 or g.promote != "serial" or bn % 2)):
+        raise EmitError(f"{what}.mma_split: {g.mma_split} (2: one part, serial promotion, an even tile N; got parts "
+                        f"{parts}, promote {g.promote}, bn {bn})")
     sb_n, sb_p = n_stride // k_dim, p_stride // k_dim
-    span = bn * sb_n
+    span = bn // g.mma_split * sb_n   # the W rows one wgmma issue covers: within one scale block
     if n_stride % k_dim or p_stride % k_dim or 128 % span or not (parts == 1 or sb_p % span == 0 or sb_p < sb_n):
         raise EmitError(f"{what}.bn: a tile's {bn} columns of each part must lie in one 128-row scale block of W "
                         f"({sb_n} W rows per column, parts {sb_p} rows apart)")

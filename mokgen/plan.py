@@ -241,6 +241,10 @@ class GemmPlan:
     # the bf16 output: "ring" = through the stage ring, TMA-stored by a storer warp (epi_ring_problem); "smem" =
     # through the epi_stages buffers of epi_n columns, TMA-stored by the first consumer warp
     epi_store: str = "smem"
+    # FP8: wgmma issues per K block along N. 2 = the tile's bn columns computed as two halves of bn / 2, each
+    # summed into the per-block accumulator and promoted in turn (128 x 256 FP8 tiles: the whole-tile fp32
+    # accumulator plus one half-width per-block one fit the registers; see fp8_widen)
+    mma_split: int = 1
 
     @property
     def tile_m(self) -> int:
@@ -823,8 +827,10 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     # dgrad1's z chunk applies to the FP8 dgrad1's tile (fp8_gemm's), not to the BF16 tile it replaces
     z_chunk = overrides.get("dgrad1_z_chunk")
     z_load = overrides.get("dgrad1_z_load")
+    # tile N of the FP8 GEMMs: fp8_gemm's 128, or 256 for gemm2 / dgrad2 (fp8_widen); not the BF16 tile's
+    fp8_bn = {k: overrides[k] for k in FP8_BN_KEYS if k in overrides}
     rest = {k: v for k, v in overrides.items()
-            if k not in promote_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load")}
+            if k not in promote_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load") and k not in fp8_bn}
     if not rest:
         plan = candidates(spec, arch)[0]
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
@@ -852,6 +858,24 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 raise PlanError(f"plan.{found[0]}: must be one of {', '.join(map(str, CLUSTERS))}, got {c}")
             g = dataclasses.replace(g1 if which == 1 else g2, cluster=c)
             g1, g2 = (g, g2) if which == 1 else (g1, g)
+    for key, value in fp8_bn.items():
+        name = key.removesuffix("_bn")
+        which = FP8_GEMM_INDEX[name]
+        if name.startswith("dgrad") and plan.backward is None:
+            raise PlanError(f"plan.{key}: this plan has no backward kernels")
+        g = {1: g1, 2: g2}.get(which) or getattr(plan.backward, name)
+        bn = _int_override(key, value)
+        if bn == g.bn:
+            continue
+        if bn not in FP8_BNS:
+            raise PlanError(f"plan.{key}: FP8 tiles are {' or '.join(map(str, FP8_BNS))} columns wide, got {bn}")
+        if (why := fp8_wide_problem(which, g)) is not None:
+            raise PlanError(f"plan.{key}: {bn} columns {why}")
+        g = fp8_widen(a, which, g, spec.hidden)   # gemm2 and dgrad2 both produce H columns
+        if which == 2:
+            g2 = g
+        else:
+            plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, dgrad2=g))
     for which in (1, 2):   # stage overrides, within what fits 1-byte stages (fp8_gemm takes the most that fit)
         if (key := f"gemm{which}_stages") in rest:
             g = g1 if which == 1 else g2
@@ -869,6 +893,11 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             if overrides[key] not in promotes:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(promotes)}, got {overrides[key]!r}")
             mode = overrides[key]
+            if mode != "serial" and gemms[name].mma_split > 1:
+                if key != "promote":
+                    raise PlanError(f"plan.{key}: {mode} needs 128-column FP8 tiles (the {gemms[name].bn}-column "
+                                    f"tile promotes its halves in turn: serial)")
+                continue
             if mode == "stagger" and (why := stagger_problem(gemms[name])) is not None:
                 if key != "promote":   # the shared key asks for it where it applies
                     raise PlanError(f"plan.{key}: stagger {why}")
@@ -921,6 +950,37 @@ FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per
 # forward+backward kimi-k2 6.44 vs 6.59 ms, qwen3-30b-a3b 2.15 vs 2.52, gpt-oss-120b 7.41 vs 7.53; with the dgrads
 # overlapping too kimi-k2 and gpt-oss-120b were slower (6.77 vs 6.58, 7.61 vs 7.33), so they stay serial.
 FP8_PROMOTE = ("overlap", "overlap", "serial", "serial")
+
+
+# FP8 GEMMs whose tile may be 256 columns wide (mma_split 2): the plain-epilogue ones (GEMM 2: routing weight,
+# dgrad2: store). GEMM 1 (gate / up parts) and dgrad1 (dSwiGLU over z) keep 128.
+FP8_WIDE = {2: "gemm2", 4: "dgrad2"}
+FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
+FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
+FP8_BNS = (FP8_BN, 2 * FP8_BN)
+
+
+def fp8_wide_problem(which: int, g: GemmPlan) -> str | None:
+    """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) cannot take 256-column tiles, or None."""
+    if which not in FP8_WIDE:
+        return "applies to gemm2 and dgrad2 only (GEMM 1's gate / up parts and dgrad1's dSwiGLU keep 128 columns)"
+    if g.cluster != 1:
+        return f"needs cluster 1, got {g.cluster}"
+    return None
+
+
+def fp8_widen(arch: Arch, which: int, g: GemmPlan, n: int) -> GemmPlan:
+    """FP8 GEMM `g` with 256-column tiles: the wgmma runs per 128-column half (mma_split 2) into the per-block
+    accumulator, each half promoted as soon as its wgmma retires, so the registers hold the 128 x 256 fp32 tile
+    (128 per thread) plus one half (64), not two whole tiles. Per K block a CTA loads (128 + 256) x 128 bytes
+    for 2 x 128 x 256 x 128 flops: a quarter fewer operand bytes per flop than 128 x 128 tiles (the L2-to-SM
+    traffic is what bounds the 128-column FP8 GEMMs: bench/NOTES.md v14). Promotion serial (the halves take
+    turns; the two warpgroups fill each other's promotion gaps); stages: as many 48 KiB stages as fit."""
+    wide = dataclasses.replace(g, bn=2 * FP8_BN, mma_split=2, promote="serial", n_tiles=-(-n // (2 * FP8_BN)))
+    most = (arch.smem_per_cta - (wide.smem_bytes() - wide.stages * (wide.tile_m + wide.bn) * wide.bk)) // (
+        (wide.tile_m + wide.bn) * wide.bk)
+    wide = dataclasses.replace(wide, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
+    return _with_epi_store(wide) if g.epi_store == "ring" else wide
 
 
 def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
@@ -1197,9 +1257,15 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
         "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" if which == 1 else
                    "h's used rows quantized by quant_rows_used, read by TMA tiles"),
-        f"  bn = {g.bn} (fixed: the accumulator plus the promotion's per-block one, 2 x {_acc_regs(g.bn)} fp32 "
-        f"registers per consumer thread" + (f"; {g.bn // 2} gate + {g.bn // 2} up columns, each part's W rows in "
-                                            f"one 128-row scale block)" if which == 1 else ")"),
+        (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2, override {('gemm1', 'gemm2')[which - 1]}"
+         f"_bn): the accumulator ({_acc_regs(g.bn)} fp32 registers per consumer thread) plus one half-width "
+         f"per-block one ({_acc_regs(g.bn // 2)}), each half promoted in turn; a quarter fewer operand bytes per "
+         f"flop than 128 columns" if g.mma_split == 2 else
+         f"  bn = {g.bn} (the accumulator plus the promotion's per-block one, 2 x {_acc_regs(g.bn)} fp32 "
+         f"registers per consumer thread" + (f"; {g.bn // 2} gate + {g.bn // 2} up columns, each part's W rows in "
+                                             f"one 128-row scale block)" if which == 1 else
+                                             f"; {FP8_BNS[1]} with the override {('gemm1', 'gemm2')[which - 1]}_bn "
+                                             f"(mma_split 2))")),
         f"  smem per stage = BK*(BM + BN)*1 B = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
         f"barriers {BARRIER_BYTES} B -> stages = {g.stages} (the most that fit, range [{MIN_STAGES}, {MAX_STAGES}]; "
         f"{g.smem_bytes()} of {arch.smem_per_cta} B, {fixed} B besides the ring)",

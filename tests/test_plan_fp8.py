@@ -125,14 +125,66 @@ def test_fp8_tune_space(name):
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
     modes = ("serial", "stagger", "overlap")
-    assert sorted(map(str, fwd)) == sorted(map(str, [{"gemm1_promote": p1, "gemm2_promote": p2, "cluster": c}
-                                                       for p1 in modes for p2 in modes for c in (1, 2)]))
+    # GEMM 2's 256-column tiles promote their halves in turn (serial) and take no cluster
+    assert sorted(map(str, fwd)) == sorted(map(str, [
+        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm2_bn": bn, "cluster": c}
+        for p1 in modes for p2 in modes for bn in (128, 256) for c in (1, 2)
+        if bn == 128 or (p2 == "serial" and c == 1)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
-                                                 "bwd_streams")) for c in bwd)
+                                                 "bwd_streams", "dgrad2_bn")) for c in bwd)
     assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
+    assert {"dgrad2_bn": 256} in bwd
     for cfg in fwd + bwd:
         p = solve(spec, **cfg)
         assert not configs.check_plan(p), (cfg, configs.check_plan(p))
         assert p.gemm1.elem_bytes == p.backward.dgrad1.elem_bytes == 1
+
+
+@pytest.mark.parametrize("name", FP8_PRESETS)
+def test_fp8_wide_tiles(name):
+    """gemm2_bn / dgrad2_bn = 256 (mokgen.plan.fp8_widen): 128 x 256 tiles whose wgmma runs per 128-column half,
+    serial promotion, as many 48 KiB stages as fit, N tiles recounted (a partial last one on gpt-oss-120b)."""
+    spec = load_spec(name)
+    base = solve(spec)
+    p = solve(spec, gemm2_bn=256, dgrad2_bn=256)
+    for g, b in ((p.gemm2, base.gemm2), (p.backward.dgrad2, base.backward.dgrad2)):
+        assert (g.bn, g.mma_split, g.promote, g.stages) == (256, 2, "serial", 4)
+        assert g.n_tiles == -(-spec.hidden // 256) and g.epi_store == "ring"
+        assert (g.raster_group, g.bk, g.elem_bytes) == (b.raster_group, b.bk, b.elem_bytes)
+    assert p.gemm1 == base.gemm1 and p.backward.dgrad1 == base.backward.dgrad1
+    assert base.gemm2.mma_split == base.backward.dgrad2.mma_split == 1
+    assert not configs.check_plan(p)
+    assert solve(spec, gemm2_bn=128) == base   # the FP8 default: no change
+    # the shared promote key leaves the halves serial; a GEMM's own key is refused
+    q = solve(spec, gemm2_bn=256, promote="overlap")
+    assert (q.gemm1.promote, q.gemm2.promote) == ("overlap", "serial")
+    files = emit(p).files
+    for f in ("gemm2.py", "dgrad2.py"):
+        src = files[f]
+        assert "MMA_SPLIT = 2" in src and "BN = 256" in src and "mma_half" in src and "tCrB_h" in src
+        assert "sb_rows[p] = cutlass.min((n * BN + p * (BN // 2)) * SB_N // 128, SB_ROWS - 1)" in src
+    assert "MMA_SPLIT" not in files["gemm1.py"] and "MMA_SPLIT" not in emit(base).files["gemm2.py"]
+
+
+def test_fp8_wide_tiles_refused():
+    spec = load_spec("kimi-k2-fp8")
+    for kw, msg in (({"gemm2_bn": 192}, r"^plan\.gemm2_bn: FP8 tiles are 128 or 256 columns wide, got 192$"),
+                    ({"gemm1_bn": 256}, r"^plan\.gemm1_bn: 256 columns applies to gemm2 and dgrad2 only"),
+                    ({"dgrad1_bn": 256}, r"^plan\.dgrad1_bn: 256 columns applies to gemm2 and dgrad2 only"),
+                    ({"gemm2_bn": 256, "cluster": 2}, r"^plan\.gemm2_bn: 256 columns needs cluster 1, got 2$"),
+                    ({"gemm2_bn": 256, "gemm2_promote": "overlap"},
+                     r"^plan\.gemm2_promote: overlap needs 128-column FP8 tiles"),
+                    ({"dgrad2_bn": 256, "dgrad2_promote": "stagger"},
+                     r"^plan\.dgrad2_promote: stagger needs 128-column FP8 tiles")):
+        with pytest.raises(PlanError, match=msg):
+            solve(spec, **kw)
+    assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 192}) == ["gemm2_bn: FP8 tiles are 128 or 256 "
+                                                                        "columns wide"]
+    assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "gemm2_promote": "overlap"}) == [
+        "gemm2_bn: 256 columns promote their halves in turn (serial), not overlap"]
+    assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "cluster": 2}) == [
+        "gemm2_bn: 256 columns need cluster 1"]
+    assert any("mma_split" in m for m in configs.check_plan(dataclasses.replace(
+        solve(spec), gemm1=dataclasses.replace(solve(spec).gemm1, mma_split=2))))
