@@ -58,10 +58,17 @@ class CompiledSpecs:
 
 def reference_compiler(bm: int = 16) -> Callable[[Spec], Any]:
     """A factory of CPU ``CompiledMoE`` objects running mokgen's launch sequence with the reference kernels of
-    :mod:`mokgen.reference` (training included), routing tile ``bm``: for tests on machines without a GPU."""
+    :mod:`mokgen.reference` (training included), routing tile ``bm``: for tests on machines without a GPU. FP8
+    specs (``dtype: fp8``) run the launch sequence of their sm_90a plan (the quantize steps; its routing tile)."""
     from .. import reference
 
     def make(spec: Spec) -> Any:
+        if getattr(spec, "dtype", "bf16") == "fp8":   # the FP8 launch sequence (quantize steps) follows a plan
+            from .. import plan as P
+
+            pl = P.solve(spec, "sm_90a")
+            return ops.CompiledMoE(spec, pl, functions=reference.reference_kernels(spec, pl.bm, training=True),
+                                   allow_cpu=True)
         return ops.CompiledMoE(spec, bm, functions=reference.reference_kernels(spec, bm, training=True),
                                allow_cpu=True)
 

@@ -1,0 +1,53 @@
+"""tools/fp8_convergence.py (the FP8 training check) on the CPU: the task runs end to end on mokgen's reference
+kernels (FP8 and BF16, same seed, same starting parameters), the record holds what the GPU run records, and the
+check flags what it must (non-finite losses, no learning, FP8's final loss more than 2% off BF16's)."""
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import fp8_convergence as F  # noqa: E402
+from mokgen.integrations.common import reference_compiler  # noqa: E402
+
+
+def test_dry_run_record():
+    t = F.Task(**F.DRY)
+    rec = F.run_check(t, torch.device("cpu"), reference_compiler(bm=16))
+    for d in ("bf16", "fp8"):
+        ls = rec[f"losses_{d}"]
+        assert len(ls) == t.steps and all(math.isfinite(v) and v > 0 for v in ls)
+        assert ls[-1] < ls[0]   # AdamW steps lower the loss on the cycled batches
+        assert rec[f"final_{d}"] == F.final(ls) and rec[f"ms_per_step_{d}"] > 0
+    # identical starting parameters: the first losses differ only by FP8's rounding
+    assert abs(rec["losses_fp8"][0] - rec["losses_bf16"][0]) / rec["losses_bf16"][0] < 0.05
+    assert rec["losses_fp8"] != rec["losses_bf16"]   # the FP8 run did quantize
+    assert rec["task"] == dataclasses.asdict(t) and rec["gpu"] == "cpu"
+    assert rec["rel_diff"] == abs(rec["final_fp8"] - rec["final_bf16"]) / rec["final_bf16"]
+    assert rec["ok"] == (not rec["failures"])
+
+
+def test_check_flags():
+    good = {"losses_bf16": [2.5, 0.3], "losses_fp8": [2.5, 0.303], "final_bf16": 0.3, "final_fp8": 0.303,
+            "rel_diff": 0.01}
+    assert F.check(good) == []
+    assert F.check({**good, "losses_fp8": [2.5, float("nan")]}) == ["fp8: a non-finite loss"]
+    assert F.check({**good, "final_bf16": 0.9, "final_fp8": 0.9})[0].startswith("bf16: diverged or did not learn")
+    assert F.check({**good, "final_fp8": 0.31, "rel_diff": 0.0333}) == [
+        "FP8's final loss 0.31 is 3.33% off BF16's 0.3 (> 2%)"]
+
+
+def test_teacher_is_a_topk_moe():
+    t = F.Task(hidden=16, ffn=8, experts=4, topk=1)
+    teacher = F.Teacher(t, torch.device("cpu"))
+    x = torch.randn(5, 16)
+    y = teacher(x)
+    e = (x @ teacher.router.T).argmax(-1)   # top-1: the renormalized weight is 1
+    for r in range(5):
+        g = teacher.gate[e[r]] @ x[r]
+        u = teacher.up[e[r]] @ x[r]
+        torch.testing.assert_close(y[r], teacher.down[e[r]] @ (torch.nn.functional.silu(g) * u))
