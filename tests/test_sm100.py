@@ -312,3 +312,56 @@ def test_mokgen_plan_explain_sm100a(capsys):
     out = capsys.readouterr().out
     assert "tuning: none for sm_100a" in out and "nothing measured on sm_100a" in out
     assert "no backward kernels yet" in out and "error" not in out
+
+
+# dgrad2 (the backward's dxs = dz . W1[g]): kimi-k2 (K = 2I = 4096, N = H = 7168) and gpt-oss-120b (N = 2880: a
+# partial last tile; its bias is not read: the bias gradient is not this kernel's)
+D2_CASES = [("kimi-k2", {}), ("gpt-oss-120b", {"bn": 256, "stages": 4})]
+
+
+@pytest.mark.parametrize("name,kw", D2_CASES)
+def test_render_dgrad2(name, kw):
+    """dgrad2's render context: W1 [G, 2I, H] read as (N = H, K = 2I) with N contiguous (the UMMA's B operand
+    MN-major, no transposed copy), a plain store epilogue, the dgrad2 argument table."""
+    from mokgen import kernels
+
+    spec = load_spec(name)
+    plan = _plan(name)
+    p = grouped_params(plan, "dgrad2", **kw)
+    H, I = spec.hidden, spec.ffn
+    assert (p["n_out"], p["k_dim"], p["n_stride"], p["k_stride"], p["b_mn"]) == (H, 2 * I, 1, H, True)
+    assert (p["epilogue"], p["parts"], p["has_bias"], p["g_stride"]) == ("store", 1, False, 2 * I * H)
+    assert p["args"] == kernels.ARGS["dgrad2"] and p["n_tiles"] == -(-H // p["bn"])
+    src = render_grouped_gemm(plan, "dgrad2", **kw)
+    assert 'KERNEL_NAME = "dgrad2"' in src and "B_MN = True" in src and 'EPILOGUE = "store"' in src
+    assert "tcgen05.OperandMajorMode.MN" in src and "* w" not in src and "mRow[" not in src
+    sig = re.search(r"def launch\((.*?)\):", src, re.S).group(1)
+    assert re.findall(r"^\s+(\w+):", sig, re.M) == [*kernels.names("dgrad2"), "stream"]
+    fwd = render_grouped_gemm(plan, 2)
+    assert "B_MN = False" in fwd and "tcgen05.OperandMajorMode.MN" not in fwd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", D2_CASES)
+def test_dgrad2_compiles_for_sm100a(name, kw, tmp_path):
+    """dgrad2 built for sm_100a: 1-CTA bf16 UMMA whose instruction descriptor has the B-major bit (bit 16) set
+    where GEMM 2's (K-major W) has it clear, TMEM, TMA; no Hopper MMA."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = _plan(name)
+    descs = {}
+    for which, kname in ((2, "gemm2"), ("dgrad2", "dgrad2")):
+        src = render_grouped_gemm(plan, which, **kw)
+        art = build.build({f"{kname}.py": src}, "sm_100a", tmp_path / kname, progress=False)
+        ptx = (Path(art.dir) / f"{kname}.ptx").read_text()
+        assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "wgmma" not in ptx
+        missing = [s for s in PTX_WANTED if s not in ptx]
+        assert not missing, (kname, missing)
+        # the instruction descriptor: its constant part, selected just before the MMA (accumulate or not)
+        reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
+        parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
+        descs[kname] = [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;",
+                                                 ptx).groups()]
+    assert all(d & (1 << 16) == 0 for d in descs["gemm2"]), descs
+    assert [d ^ (1 << 16) for d in descs["dgrad2"]] == descs["gemm2"], descs
