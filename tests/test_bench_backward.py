@@ -200,3 +200,16 @@ def test_liger_layer_adds_shared_experts_and_rejects_biases():
     assert ref.rel_err(y, y_ref) < 1e-2
     with pytest.raises(ValueError, match="biases"):
         f(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, torch.zeros(1), None)
+
+
+def test_fp8_rows_get_their_ratio_to_bf16():
+    d1, d2 = {"T": 8, "H": 256}, {"T": 8, "H": 512}
+    recs = [dict(impl="mokgen", dtype="bf16", dims=d1, fb_ms=9.0, median_ms=3.0),
+            dict(impl="torch_grouped_mm", dtype="fp8", dims=d1, fb_ms=20.0, median_ms=6.0),
+            dict(impl="mokgen", dtype="fp8", dims=dict(d1), fb_ms=6.0, median_ms=2.0),
+            dict(impl="mokgen[gemm2_bn=256]", dtype="fp8", dims=d1, fb_ms=4.5, median_ms=None),
+            dict(impl="mokgen", dtype="fp8", dims=d2, fb_ms=5.0, median_ms=1.0)]   # no BF16 twin in the run
+    BB.add_fp8_ratios(recs)
+    assert recs[2]["speedup_vs_bf16"] == pytest.approx(1.5) and recs[2]["fwd_speedup_vs_bf16"] == pytest.approx(1.5)
+    assert recs[3]["speedup_vs_bf16"] == pytest.approx(2.0) and "fwd_speedup_vs_bf16" not in recs[3]
+    assert all("speedup_vs_bf16" not in r for r in (recs[0], recs[1], recs[4]))

@@ -36,7 +36,9 @@ which) and ``grad_rel_errs`` (each), ``bitwise_deterministic`` (y and all gradie
 autograd graph saves, not belonging to the inputs or parameters, through ``torch.autograd.graph.
 saved_tensors_hooks``; ``saved_bytes_autograd`` is that measurement for every implementation), ``peak_mem_mb``
 (``torch.cuda.max_memory_allocated`` over one forward+backward, minus what was allocated before it),
-``liger_autotune``.
+``liger_autotune``, ``dtype`` (the spec's). FP8: pass a preset and its FP8 twin (``kimi-k2 kimi-k2-fp8``,
+``glm-5 tools/specs/glm-5-fp8.yaml``) and the FP8 mokgen rows get ``speedup_vs_bf16`` / ``fwd_speedup_vs_bf16``
+(the BF16 mokgen row's fb_ms / median_ms over theirs, same process).
 
 Timing: ``triton.testing.do_bench(fn, return_mode="median")`` through bench_forward's ``Timer``; ``--rounds N``
 re-times every implementation N-1 more times, interleaved, and records the median of the rounds (``round_ms``,
@@ -48,6 +50,7 @@ unless ``--out`` is given.
 from __future__ import annotations
 
 import argparse
+import json
 import datetime as _dt
 import math
 import os
@@ -74,7 +77,7 @@ IMPLS = ["mokgen", "torch_grouped_mm", "liger"]
 GRADS = ("x", "topk_weight", "w1", "w2", "b1", "b2")
 RECORD_FIELDS = BF.RECORD_FIELDS + [
     "fb_ms", "fwd_tflops", "speedup_vs_liger", "grad_rel_err", "grad_rel_errs", "grad_ref", "saved_bytes",
-    "saved_bytes_method", "saved_bytes_autograd", "peak_mem_mb", "liger_autotune", "timing"]
+    "saved_bytes_method", "saved_bytes_autograd", "peak_mem_mb", "liger_autotune", "timing", "dtype"]
 
 _log = BF._log
 _short_error = BF._short_error
@@ -194,6 +197,20 @@ def _median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def add_fp8_ratios(records: list[dict[str, Any]]) -> None:
+    """FP8 against BF16 measured in this run: every FP8 mokgen row (``dtype`` fp8, default plan or a variant) whose
+    shape (``dims``) also ran in BF16 here gets ``speedup_vs_bf16`` (the BF16 mokgen row's fb_ms / its fb_ms) and
+    ``fwd_speedup_vs_bf16`` (the same for the forward alone): pass a preset and its FP8 twin in one call."""
+    bf16 = {json.dumps(r["dims"], sort_keys=True): r for r in records
+            if r.get("dtype") == "bf16" and r["impl"] == "mokgen" and r.get("fb_ms")}
+    for r in records:
+        b = bf16.get(json.dumps(r["dims"], sort_keys=True))
+        if r.get("dtype") == "fp8" and r["impl"].startswith("mokgen") and b is not None and r.get("fb_ms"):
+            r["speedup_vs_bf16"] = b["fb_ms"] / r["fb_ms"]
+            if r.get("median_ms") and b.get("median_ms"):
+                r["fwd_speedup_vs_bf16"] = b["median_ms"] / r["median_ms"]
 
 
 def _record(ctx, shape, dims, impl, res: dict[str, Any], flops: int, base_ms, liger_ms, extra) -> dict[str, Any]:
@@ -425,6 +442,8 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
     liger_ms = results.get("liger", {}).get("fb_ms")
     order = [i for i in IMPLS if i in results] + sorted(i for i in results if i not in IMPLS)
     recs = [_record(ctx, shape, dims, i, results[i], flops, base, liger_ms, extra) for i in order]
+    for r in recs:
+        r["dtype"] = getattr(spec, "dtype", "bf16")
     for t in leaves.values():
         if t is not None:
             t.requires_grad_(False)
@@ -547,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                                rounds=max(1, args.rounds), ref_dtype=args.ref_dtype, liger=liger)
         BF._free(device)
     _log(f"total {time.perf_counter() - t_start:.1f}s")
+    add_fp8_ratios(records)
     print_table(records, f"MoE forward+backward, {ctx['gpu']} ({timer.method})")
     if out != "-":
         BF.append_records(out, records)
