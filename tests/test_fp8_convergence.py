@@ -16,7 +16,7 @@ from mokgen.integrations.common import reference_compiler  # noqa: E402
 
 
 def test_dry_run_record():
-    t = F.Task(**F.DRY)
+    t = dataclasses.replace(F.Task(**F.DRY), steps=3)
     rec = F.run_check(t, torch.device("cpu"), reference_compiler(bm=16))
     for d in ("bf16", "fp8"):
         ls = rec[f"losses_{d}"]
@@ -51,3 +51,11 @@ def test_teacher_is_a_topk_moe():
         g = teacher.gate[e[r]] @ x[r]
         u = teacher.up[e[r]] @ x[r]
         torch.testing.assert_close(y[r], teacher.down[e[r]] @ (torch.nn.functional.silu(g) * u))
+
+
+def test_dry_run_passes_the_check():
+    """The whole check on the CPU (reference kernels: FP8 quantization emulated as the kernels do it), 200 steps of
+    the tiny task: learning, and FP8's final loss within 2% of BF16's (measured 1.24%)."""
+    rec = F.run_check(F.Task(**F.DRY), torch.device("cpu"), reference_compiler(bm=16))
+    assert rec["ok"], rec["failures"]
+    assert rec["final_bf16"] < 0.1 and rec["rel_diff"] < F.TOL

@@ -25,7 +25,8 @@ CPU with the reference kernels (H 256, I 128, 8 experts, 512 tokens, 300 steps) 
 versions, the task's dims, steps, lr, seed, both loss curves (every step), ``final_bf16`` / ``final_fp8``,
 ``rel_diff`` = |final_fp8 - final_bf16| / final_bf16, ``ms_per_step_*`` (CUDA events around the whole loop, compile
 excluded) and ``ok``. ``--dry-run``: CPU, mokgen's reference kernels (``mokgen.integrations.common
-.reference_compiler``), a tiny task, nothing written unless ``--out`` is given.
+.reference_compiler``: FP8 quantization emulated as the kernels do it), a tiny task (H 128, I 128, 4 experts,
+64 tokens, 200 steps, ~5 s; finals 1.2% apart), nothing written unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ DEFAULT_OUT = "bench/results/fp8-train-h200.json"
 TOL = 0.02            # FP8's final loss within 2% of BF16's
 TAIL = 0.1            # the final loss: the mean over this last fraction of the steps
 LEARNED = 0.5         # a final loss below this: half the target's variance explained
-DRY = dict(steps=3, tokens=64, hidden=128, ffn=128, experts=4, topk=2)
+DRY = dict(steps=200, tokens=64, hidden=128, ffn=128, experts=4, topk=2)   # ~5 s on 2 CPU cores
 
 
 @dataclasses.dataclass(frozen=True)
