@@ -4,9 +4,9 @@
 (routing, gather, GEMM 1, GEMM 2, combine). The two GEMMs come from ``templates/sm100/grouped_gemm.py.j2``
 (tcgen05.mma, accumulators in tensor memory, TMA loads); routing, gather and combine are the SIMT kernels of
 ``templates/sm90/`` (plain loads, stores and integer atomics: no Hopper-only instruction), rendered unchanged and
-compiled for sm_100a. Of the backward only dgrad2 exists for sm_100a (``render_grouped_gemm(plan, "dgrad2")``:
-W1 read N-major by the UMMA, compiled and checked in CI); dgrad1, the weight gradients and a plan with a backward
-section do not, so the plan carries none. Nothing here has run on a Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
+compiled for sm_100a. Of the backward the two dgrads exist for sm_100a (``render_grouped_gemm(plan, "dgrad1")``
+/ ``"dgrad2"``: W2 / W1 read N-major by the UMMA, dgrad1 with the dSwiGLU + router-gradient epilogue; compiled
+and checked in CI); the weight gradients and a plan with a backward section do not, so the plan carries none. Nothing here has run on a Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
 z for training) and GEMM 2 (routing weight) with the parameter names the sm_90a ``_grouped_params`` computes, so
 the two templates share one render context as far as their features overlap.
 """
@@ -21,6 +21,7 @@ from .plan import Plan, get_arch
 TEMPLATE = "sm100/grouped_gemm.py.j2"
 UMMA_M = 128          # tcgen05.mma rows of one CTA (cta_group 1)
 ACC_STAGES = 2        # accumulators in tensor memory (double-buffered)
+BACKWARD = ("dgrad1", "dgrad2")   # the backward GEMMs rendered so far (their tile: GEMM 2's, or the bn given)
 TMEM_COLUMNS = 512    # fp32 columns of tensor memory per SM
 BARRIER_BYTES = 1024
 
@@ -34,8 +35,9 @@ def smem_bytes(bn: int, bk: int, stages: int, epi_n: int, epi_stages: int, parts
 def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages: int | None = None,
                    save_z: bool = False) -> dict[str, Any]:
     """The render context of templates/sm100/grouped_gemm.py.j2 for forward GEMM `which` of `plan` (or, with
-    ``which="dgrad2"``, the backward's dgrad2: dz [rows, 2I] . W1[g] with W1 read N-major, plain store; its tile
-    is GEMM 2's, whose N is the same H, since an sm_100a plan has no backward section yet).
+    ``which="dgrad2"``, the backward's dgrad2: dz [rows, 2I] . W1[g] with W1 read N-major, plain store; with
+    ``which="dgrad1"``, dgrad1: dO rows . W2[g] with W2 read N-major, the dSwiGLU + router-gradient epilogue; their
+    tile is GEMM 2's unless `bn` / `stages` are given, since an sm_100a plan has no backward section yet).
 
     which=2: h . W2 with the routing weight (and the bias when the spec has one); `bn` is the tile N.
     which=1: xg . W1 (gate and up parts, two TMEM accumulators per tile) with the SwiGLU epilogue (bias per W1 row
@@ -44,8 +46,9 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     per part (default: half the plan's gemm1.bn, which counts gate + up as on sm_90a).
     `bn` / `stages` override the plan's tile N and ring depth (e.g. a 256-wide GEMM 2 tile whose last N tile is
     partial)."""
-    if which not in (1, 2, "dgrad2"):
-        raise EmitError(f"render_grouped_gemm: which is 1 or 2 (the forward GEMMs) or 'dgrad2', got which={which}")
+    if which not in (1, 2, "dgrad1", "dgrad2"):
+        raise EmitError(f"render_grouped_gemm: which is 1 or 2 (the forward GEMMs), 'dgrad1' or 'dgrad2', got "
+                        f"which={which}")
     if save_z and which != 1:
         raise EmitError("render_grouped_gemm: save_z is GEMM 1's (which=1)")
     if plan.arch != "sm_100a":
@@ -56,13 +59,13 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     H, I = spec.hidden, spec.ffn
     parts = 2 if which == 1 else 1
     g = plan.gemm1 if which == 1 else plan.gemm2
-    what = "plan.backward.dgrad2 (GEMM 2's tile)" if which == "dgrad2" else f"plan.gemm{which}"
+    what = f"plan.backward.{which} (GEMM 2's tile)" if which in BACKWARD else f"plan.gemm{which}"
     if bn is None:
         if g.bn % parts:
             raise EmitError(f"{what}.bn: must be even (gate and up halves), got {g.bn}")
         bn = g.bn // parts
     stages = g.stages if stages is None else stages
-    n_out, k_dim = {1: (I, H), 2: (H, I), "dgrad2": (H, 2 * I)}[which]
+    n_out, k_dim = {1: (I, H), 2: (H, I), "dgrad1": (I, H), "dgrad2": (H, 2 * I)}[which]
     if bn % 16 or not 16 <= bn <= 256:
         raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
     if ACC_STAGES * parts * bn > TMEM_COLUMNS:
@@ -74,7 +77,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         raise EmitError(f"{what}.bk: {g.bk} must divide K={k_dim} and be a multiple of the UMMA K (16)")
     if bn % g.epi_n:
         raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
-    if which == 1 and n_out % bn:
+    if which in (1, "dgrad1") and n_out % bn:
         raise EmitError(f"{what}.bn: the SwiGLU epilogue needs whole N tiles, {bn} per part does not divide ffn {I}")
     smem = smem_bytes(bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
     limit = get_arch(plan.arch).smem_per_cta
@@ -86,13 +89,15 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         g_stride = 2 * I * H
     elif which == "dgrad2":   # W1 [G, 2I, H] as (N = H, K = 2I): N contiguous, K strided by H
         n_stride, k_stride, p_stride, g_stride, b_mn = 1, H, 2 * I * H, 2 * I * H, True
+    elif which == "dgrad1":   # W2 [G, H, I] as (N = I, K = H): N contiguous, K strided by I
+        n_stride, k_stride, p_stride, g_stride, b_mn = 1, I, H * I, H * I, True
     else:
         n_stride, p_stride, g_stride = I, H * I, H * I
     z_n, z_p = (s // H for s in _w1_strides(spec))
-    if which == 1 and z_n == 1 and z_p % g.epi_n:
+    if which in (1, "dgrad1") and z_n == 1 and z_p % g.epi_n:
         raise EmitError(f"{what}.epi_n: {g.epi_n} must divide the up block's offset {z_p} in z (concat)")
     activation, act_limit = _activation(spec)
-    table = ("gemm1_train" if save_z else "gemm1") if which == 1 else "gemm2" if which == 2 else "dgrad2"
+    table = ("gemm1_train" if save_z else "gemm1") if which == 1 else "gemm2" if which == 2 else which
     return dict(
         args=kernels.ARGS[table],
         symbols=kernels.SYMBOLS[table],
@@ -105,13 +110,13 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         b_mn=b_mn,
         p_stride=p_stride,
         g_stride=g_stride,
-        epilogue={1: "swiglu", 2: "weight", "dgrad2": "store"}[which],
+        epilogue={1: "swiglu", 2: "weight", "dgrad1": "dswiglu", "dgrad2": "store"}[which],
         save_z=save_z,
         z_n=z_n,
         z_p=z_p,
         activation=activation,
         act_limit=act_limit,
-        has_bias=bool(spec.bias) and which != "dgrad2",
+        has_bias=bool(spec.bias) and which not in BACKWARD,
         bm=UMMA_M,
         group_m=plan.bm,
         bn=bn,
@@ -130,12 +135,15 @@ def render_grouped_gemm(plan: Plan, which: int = 2, *, bn: int | None = None, st
                         save_z: bool = False, name: str | None = None) -> str:
     """The sm_100a kernel source of forward GEMM `which` for `plan` (a standalone CuTe DSL module defining
     ``KERNEL_NAME`` and ``compile(arch)``, as every emitted kernel; docs/contract.md); which=1 with `save_z`:
-    GEMM 1 for training (``gemm1_train``); which="dgrad2": the backward's dgrad2 (compiled and checked in CI; not
-    yet part of an sm_100a plan: the backward's other kernels do not exist for sm_100a)."""
+    GEMM 1 for training (``gemm1_train``); which="dgrad1" / "dgrad2": the backward's dgrads (compiled and checked
+    in CI; not yet part of an sm_100a plan: the weight gradients do not exist for sm_100a)."""
     params = grouped_params(plan, which, bn=bn, stages=stages, save_z=save_z)
-    name = name or ("gemm1_train" if save_z else "dgrad2" if which == "dgrad2" else f"gemm{which}")
+    name = name or ("gemm1_train" if save_z else which if which in BACKWARD else f"gemm{which}")
     spec = plan.spec
-    if which == "dgrad2":
+    if which == "dgrad1":
+        title = (f"dgrad1 of {spec.name} (sm_100a): gathered dO rows x W2 (read N-major), dSwiGLU + router-gradient "
+                 f"epilogue -> s a, dz, ds")
+    elif which == "dgrad2":
         title = (f"dgrad2 of {spec.name} (sm_100a): dz x W1 (read N-major) -> the data gradient per slot (the combine "
                  f"sums each token's slots)")
     elif which == 1:

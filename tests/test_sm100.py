@@ -365,3 +365,60 @@ def test_dgrad2_compiles_for_sm100a(name, kw, tmp_path):
                                                  ptx).groups()]
     assert all(d & (1 << 16) == 0 for d in descs["gemm2"]), descs
     assert [d ^ (1 << 16) for d in descs["dgrad2"]] == descs["gemm2"], descs
+
+
+# dgrad1 (dA' = dO_g . W2[g], the dSwiGLU + router-gradient epilogue): kimi-k2 (concat z, plain swiglu, I = 2048 =
+# 8 tiles of 256) and gpt-oss-120b (interleaved z, swiglu_oai with its clamp, I = 2880 = 15 tiles of 192)
+D1_CASES = [("kimi-k2", {}), ("gpt-oss-120b", {"bn": 192, "stages": 4})]
+
+
+@pytest.mark.parametrize("name,kw", D1_CASES)
+def test_render_dgrad1(name, kw):
+    from mokgen import kernels
+
+    spec = load_spec(name)
+    plan = _plan(name)
+    p = grouped_params(plan, "dgrad1", **kw)
+    H, I = spec.hidden, spec.ffn
+    assert (p["n_out"], p["k_dim"], p["n_stride"], p["k_stride"], p["b_mn"]) == (I, H, 1, I, True)
+    assert (p["epilogue"], p["parts"], p["has_bias"], p["g_stride"]) == ("dswiglu", 1, False, H * I)
+    assert p["n_tiles"] * p["bn"] == I and p["args"] == kernels.ARGS["dgrad1"]
+    src = render_grouped_gemm(plan, "dgrad1", **kw)
+    assert 'KERNEL_NAME = "dgrad1"' in src and 'EPILOGUE = "dswiglu"' in src and "def activation_grad" in src
+    assert "mDS[row, n] = ds_row" in src and "tcgen05.OperandMajorMode.MN" in src
+    sig = re.search(r"def launch\((.*?)\):", src, re.S).group(1)
+    assert re.findall(r"^\s+(\w+):", sig, re.M) == [*kernels.names("dgrad1"), "stream"]
+    if spec.gate_up_layout == "interleaved":
+        assert "zgu.store" in src and "dzgu" in src and "ACT_LIMIT = 7.0" in src
+    else:
+        assert "zg.store" in src and "zu.store" in src and "Z_P = 2048" in src
+
+
+def test_render_dgrad1_needs_whole_n_tiles():
+    with pytest.raises(EmitError, match="whole N tiles"):   # 2880 = 11.25 x 256
+        grouped_params(_plan("gpt-oss-120b"), "dgrad1", bn=256, stages=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", D1_CASES)
+def test_dgrad1_compiles_for_sm100a(name, kw, tmp_path):
+    """dgrad1 built for sm_100a: the bf16 UMMA with B MN-major (descriptor bit 16), TMEM, TMA; per epilogue slice a
+    thread loads its row's z runs and stores its dz runs as 16-byte vectors (gate and up: 4 each of a 32-column
+    slice), and one ds value per tile; the activation's exp / reciprocal per value."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    src = render_grouped_gemm(_plan(name), "dgrad1", **kw)
+    art = build.build({"dgrad1.py": src}, "sm_100a", tmp_path, progress=False)
+    ptx = (Path(art.dir) / "dgrad1.ptx").read_text()
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "wgmma" not in ptx
+    assert not [x for x in PTX_WANTED if x not in ptx]
+    reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
+    parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
+    desc = [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;", ptx).groups()]
+    assert all(d & (1 << 16) for d in desc), desc
+    bn = kw.get("bn", 256)
+    slices = bn // 32
+    assert ptx.count("ld.global.v4") == 2 * 4 * slices and ptx.count("st.global.v4") == 2 * 4 * slices
+    assert ptx.count("st.global.b32") == 1                # ds: one value per row and tile
+    assert ptx.count("ex2.approx") >= bn                  # the activation's sigmoid, once per value
