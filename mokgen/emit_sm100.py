@@ -4,9 +4,11 @@
 (routing, gather, GEMM 1, GEMM 2, combine). The two GEMMs come from ``templates/sm100/grouped_gemm.py.j2``
 (tcgen05.mma, accumulators in tensor memory, TMA loads); routing, gather and combine are the SIMT kernels of
 ``templates/sm90/`` (plain loads, stores and integer atomics: no Hopper-only instruction), rendered unchanged and
-compiled for sm_100a. Of the backward the two dgrads exist for sm_100a (``render_grouped_gemm(plan, "dgrad1")``
-/ ``"dgrad2"``: W2 / W1 read N-major by the UMMA, dgrad1 with the dSwiGLU + router-gradient epilogue; compiled
-and checked in CI); the weight gradients and a plan with a backward section do not, so the plan carries none. Nothing here has run on a Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
+compiled for sm_100a. The backward's GEMMs exist for sm_100a as standalone renders, compiled and checked in CI:
+the dgrads (``render_grouped_gemm(plan, "dgrad1")`` / ``"dgrad2"``: W2 / W1 read N-major by the UMMA, dgrad1 with
+the dSwiGLU + router-gradient epilogue) and the varlen-K weight gradients (``render_wgrad``, both operands
+MN-major, bf16 or the fp32 main_grad form; templates/sm100/wgrad.py.j2). No sm_100a plan has a backward section
+yet, so emit_forward renders none of them and training on sm_100a stays refused. Nothing here has run on a Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
 z for training) and GEMM 2 (routing weight) with the parameter names the sm_90a ``_grouped_params`` computes, so
 the two templates share one render context as far as their features overlap.
 """
@@ -136,7 +138,7 @@ def render_grouped_gemm(plan: Plan, which: int = 2, *, bn: int | None = None, st
     """The sm_100a kernel source of forward GEMM `which` for `plan` (a standalone CuTe DSL module defining
     ``KERNEL_NAME`` and ``compile(arch)``, as every emitted kernel; docs/contract.md); which=1 with `save_z`:
     GEMM 1 for training (``gemm1_train``); which="dgrad1" / "dgrad2": the backward's dgrads (compiled and checked
-    in CI; not yet part of an sm_100a plan: the weight gradients do not exist for sm_100a)."""
+    in CI; not yet part of an sm_100a plan)."""
     params = grouped_params(plan, which, bn=bn, stages=stages, save_z=save_z)
     name = name or ("gemm1_train" if save_z else which if which in BACKWARD else f"gemm{which}")
     spec = plan.spec
@@ -184,3 +186,58 @@ def emit_forward(plan: Plan) -> Sources:
     render.files["gemm2.py"] = render_grouped_gemm(plan, 2)
     render.combine()
     return render.sources()
+
+
+WGRAD_TEMPLATE = "sm100/wgrad.py.j2"
+WGRADS = ("wgrad1", "wgrad2")
+
+
+def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 256, bk: int = 64,
+                 stages: int | None = None, epi_n: int = 32, epi_stages: int = 2, raster: int = 8) -> dict[str, Any]:
+    """The render context of templates/sm100/wgrad.py.j2 for the weight gradient `which`: wgrad1 dW1[g] = dzᵀ xg
+    (M = 2I, N = H), wgrad2 dW2[g] = dOgᵀ (s a) (M = H, N = I), the reduction over each group's rows (varlen-K);
+    ``accumulate``: the fp32 main_grad form (table ``<which>_acc``). The tile is given here (an sm_100a plan has
+    no backward section yet): BM 128 (the UMMA M), `bn` columns, `bk` rows per stage, as many stages as fit
+    unless `stages` is given."""
+    if which not in WGRADS:
+        raise EmitError(f"render_wgrad: which is 'wgrad1' or 'wgrad2', got {which!r}")
+    if plan.arch != "sm_100a":
+        raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
+    spec = plan.spec
+    if spec.dtype != "bf16":
+        raise EmitError(f"spec.dtype: the sm_100a weight gradients are BF16 only so far, got {spec.dtype!r}")
+    H, I = spec.hidden, spec.ffn
+    m_out, n_out = (2 * I, H) if which == "wgrad1" else (H, I)
+    what = f"plan.backward.{which}"
+    if bn % 16 or not 16 <= bn <= 256:
+        raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
+    if bk % 16 or plan.bm % bk:   # (ACC_STAGES x 256 columns fill TMEM's 512 at most)
+        raise EmitError(f"{what}.bk: {bk} must be a multiple of the UMMA K (16) dividing the routing tile {plan.bm} "
+                        f"(every group starts on a multiple of it)")
+    if bn % epi_n or (accumulate and n_out % epi_n):
+        raise EmitError(f"{what}.epi_n: {epi_n} must divide the tile's {bn} columns"
+                        + (f" and N {n_out} (the fp32 read-add-write goes by whole slices)" if accumulate else ""))
+    limit = get_arch(plan.arch).smem_per_cta
+    if stages is None:
+        stages = (limit - UMMA_M * epi_n * 2 * epi_stages - BARRIER_BYTES) // ((UMMA_M + bn) * bk * 2)
+    smem = smem_bytes(bn, bk, stages, epi_n, epi_stages)
+    if stages < 2 or smem > limit:
+        raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
+    table = which + ("_acc" if accumulate else "")
+    return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], m_out=m_out, n_out=n_out,
+                groups=spec.groups, group_m=plan.bm, accumulate=accumulate, bm=UMMA_M, bn=bn, bk=bk, stages=stages,
+                acc_stages=ACC_STAGES, epi_n=epi_n, epi_stages=epi_stages, raster=raster,
+                m_tiles=-(-m_out // UMMA_M), n_tiles=-(-n_out // bn))
+
+
+def render_wgrad(plan: Plan, which: str, *, accumulate: bool = False, name: str | None = None, **tile: Any) -> str:
+    """The sm_100a kernel source of the weight gradient `which` (``"wgrad1"`` / ``"wgrad2"``; ``accumulate``: the
+    fp32 main_grad form ``<which>_acc``) for `plan`: compiled and checked in CI; not yet part of an sm_100a plan."""
+    params = wgrad_params(plan, which, accumulate=accumulate, **tile)
+    name = name or which + ("_acc" if accumulate else "")
+    spec = plan.spec
+    what = ("dW1[g] = dz^T . xg (2I x H)" if which == "wgrad1" else "dW2[g] = dOg^T . (s a) (H x I)")
+    title = (f"{name} of {spec.name} (sm_100a): {what} per group, reduced over the group's rows"
+             + (", added into the fp32 main_grad" if accumulate else ", bf16"))
+    return _environment().get_template(WGRAD_TEMPLATE).render(
+        header=_header(plan, WGRAD_TEMPLATE, template_hash()), name=name, spec_name=spec.name, title=title, **params)

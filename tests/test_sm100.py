@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mokgen.emit import EmitError
-from mokgen.emit_sm100 import grouped_params, render_grouped_gemm, tile_walk
+from mokgen.emit_sm100 import grouped_params, render_grouped_gemm, render_wgrad, tile_walk, wgrad_params
 from mokgen.plan import solve
 from mokgen.spec import load_spec
 
@@ -422,3 +422,79 @@ def test_dgrad1_compiles_for_sm100a(name, kw, tmp_path):
     assert ptx.count("ld.global.v4") == 2 * 4 * slices and ptx.count("st.global.v4") == 2 * 4 * slices
     assert ptx.count("st.global.b32") == 1                # ds: one value per row and tile
     assert ptx.count("ex2.approx") >= bn                  # the activation's sigmoid, once per value
+
+
+# The weight gradients (templates/sm100/wgrad.py.j2, varlen-K): gpt-oss-120b's edges (H = I = 2880: wgrad2's
+# M = H is 22.5 tiles of 128, its N = I 11.25 tiles of 256), both output forms
+WG_CASES = [("gpt-oss-120b", "wgrad1", False), ("gpt-oss-120b", "wgrad2", True), ("kimi-k2", "wgrad2", False)]
+
+
+@pytest.mark.parametrize("name,which,acc", WG_CASES)
+def test_render_wgrad(name, which, acc):
+    from mokgen import kernels
+
+    spec, plan = load_spec(name), _plan(name)
+    p = wgrad_params(plan, which, accumulate=acc)
+    H, I = spec.hidden, spec.ffn
+    assert (p["m_out"], p["n_out"]) == ((2 * I, H) if which == "wgrad1" else (H, I))
+    assert p["m_tiles"] == -(-p["m_out"] // 128) and p["n_tiles"] == -(-p["n_out"] // p["bn"])
+    table = which + ("_acc" if acc else "")
+    assert p["args"] == kernels.ARGS[table] and p["group_m"] == plan.bm and plan.bm % p["bk"] == 0
+    src = render_wgrad(plan, which, accumulate=acc)
+    assert f'KERNEL_NAME = "{table}"' in src and f"ACCUMULATE = {acc}" in src
+    assert src.count("tcgen05.OperandMajorMode.MN") == 2   # both operands M / N contiguous
+    sig = re.search(r"def launch\((.*?)\):", src, re.S).group(1)
+    assert re.findall(r"^\s+(\w+):", sig, re.M) == [*kernels.names(table), "stream"]
+    assert ("tma_atom_c" in src) == (not acc)
+
+
+def test_render_wgrad_rejects():
+    plan = _plan("kimi-k2")
+    with pytest.raises(EmitError, match="which"):
+        wgrad_params(plan, "dgrad1")
+    with pytest.raises(EmitError, match="bk"):
+        wgrad_params(plan, "wgrad1", bk=24)
+    with pytest.raises(EmitError, match="UMMA N"):
+        wgrad_params(plan, "wgrad1", bn=512)
+    with pytest.raises(EmitError, match="sm_100a"):
+        wgrad_params(solve(load_spec("kimi-k2"), "sm_90a"), "wgrad1")
+    with pytest.raises(EmitError, match="shared memory"):
+        wgrad_params(plan, "wgrad1", stages=6)
+
+
+def test_wgrad_tile_walk(tmp_path):
+    """tile_gmn (the code the kernel traces) against the Python model: group-major, and inside each group the
+    forward GEMMs' raster walk (panels of RASTER M tiles, M fastest)."""
+    pytest.importorskip("cutlass")
+    mod = _module(render_wgrad(_plan("gpt-oss-120b"), "wgrad2", raster=4), tmp_path, "gpt_oss_wgrad2")
+    groups = load_spec("gpt-oss-120b").groups
+    assert (mod.M_TILES, mod.N_TILES, mod.GROUPS) == (23, 12, groups) and mod.tile_count() == groups * 23 * 12
+    walk = [mod.tile_gmn(t) for t in range(mod.tile_count())]
+    per_group = tile_walk(mod.M_TILES, mod.N_TILES, mod.RASTER)
+    assert walk == [(g, m, n) for g in range(mod.GROUPS) for m, n in per_group]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,which,acc", WG_CASES)
+def test_wgrad_compiles_for_sm100a(name, which, acc, tmp_path):
+    """Built for sm_100a: the bf16 UMMA with both operands MN-major (descriptor bits 15 and 16), TMEM, the TMA
+    loads of both operands; bf16: TMA stores through the (M, N, groups) view; fp32 main_grad: a 16-byte vector
+    read-add-write per 4 columns of every slice."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    table = which + ("_acc" if acc else "")
+    art = build.build({f"{table}.py": render_wgrad(_plan(name), which, accumulate=acc)}, "sm_100a", tmp_path,
+                      progress=False)
+    ptx = (Path(art.dir) / f"{table}.ptx").read_text()
+    assert re.search(r"^\.target\s+sm_100a\b", ptx, re.M) and "wgmma" not in ptx
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and not [x for x in PTX_WANTED if x not in ptx]
+    reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
+    parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
+    desc = [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;", ptx).groups()]
+    assert all(d & (3 << 15) == 3 << 15 for d in desc), desc
+    if acc:
+        assert ptx.count("ld.global.v4") == ptx.count("st.global.v4") == 256 // 4
+        assert "cp.async.bulk.tensor.3d.global.shared::cta" not in ptx
+    else:
+        assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx and "st.global.v4" not in ptx
