@@ -44,8 +44,9 @@ ARCHS: dict[str, Arch] = {
     "sm_100a": Arch("sm_100a", 148, 232448 - 1024, 65536, 1024, False, True, 2250.0, 8.0, 126 * 2**20,
                     capability=(10, 0), device_bytes=180 * 10**9,
                     ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "tcgen05"), templates=True,
-                    note="sm_100a: the inference forward (tcgen05 GEMMs 1 and 2; routing, gather, combine), compiled "
-                         "here and never run on a Blackwell GPU; no backward kernels for sm_100a yet"),
+                    training=True,
+                    note="sm_100a: the forward and the backward (tcgen05 GEMMs; routing, gather, combine), BF16, "
+                         "compiled here and never run on a Blackwell GPU: no correctness or speed claim on hardware"),
 }
 ARCH_NAMES: tuple[str, ...] = tuple(ARCHS)
 

@@ -196,7 +196,7 @@ def _explain_tuning(spec: Any, arch: str, info: Any) -> list[str]:
     rec, pw, where = info
     from .arch import ARCHS
 
-    if arch in ARCHS and not ARCHS[arch].training:   # sm_100a: its kernels' one form, nothing measured to tune
+    if arch in ARCHS and ARCHS[arch].has_tcgen05:   # sm_100a: its kernels' one form, nothing measured to tune
         return [f"tuning: none for {arch} (no {arch} GPU here: its plan is its kernels' form, not tuned or fitted)"]
     if rec is not None:
         return [f"tuning: this plan is the tuned one: record {where} ({rec['gpu']}, {rec['created']}, tuned at "

@@ -16,7 +16,7 @@ import jinja2
 
 from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation, _environment, _header, _table,
                         _w1_strides, template_hash)
-from .emit_sm100 import emit_forward as _emit_sm100
+from .emit_sm100 import emit_sm100 as _emit_sm100
 from .plan import L2_HINTS, Plan, epi_ring_problem, z_stage_problem
 
 __all__ = ["EXPERIMENTS", "EmitError", "Sources", "TEMPLATE_DIR", "emit", "emit_fp8_quant", "template_hash"]

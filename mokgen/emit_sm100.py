@@ -1,16 +1,15 @@
 """Blackwell (sm_100a) kernel sources, rendered from ``templates/sm100/`` (issue 20; CPU compile-verified only).
 
-:func:`emit_forward` is what :func:`mokgen.emit.emit` returns for a plan solved for sm_100a: the inference forward
-(routing, gather, GEMM 1, GEMM 2, combine). The two GEMMs come from ``templates/sm100/grouped_gemm.py.j2``
-(tcgen05.mma, accumulators in tensor memory, TMA loads); routing, gather and combine are the SIMT kernels of
-``templates/sm90/`` (plain loads, stores and integer atomics: no Hopper-only instruction), rendered unchanged and
-compiled for sm_100a. The backward's GEMMs exist for sm_100a as standalone renders, compiled and checked in CI:
-the dgrads (``render_grouped_gemm(plan, "dgrad1")`` / ``"dgrad2"``: W2 / W1 read N-major by the UMMA, dgrad1 with
-the dSwiGLU + router-gradient epilogue) and the varlen-K weight gradients (``render_wgrad``, both operands
-MN-major, bf16 or the fp32 main_grad form; templates/sm100/wgrad.py.j2). No sm_100a plan has a backward section
-yet, so emit_forward renders none of them and training on sm_100a stays refused. Nothing here has run on a Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMM 1 (SwiGLU epilogue, optionally saving
-z for training) and GEMM 2 (routing weight) with the parameter names the sm_90a ``_grouped_params`` computes, so
-the two templates share one render context as far as their features overlap.
+:func:`emit_sm100` is what :func:`mokgen.emit.emit` returns for a plan solved for sm_100a: the forward (routing,
+gather, GEMM 1, GEMM 2, combine) and, for a training plan, the backward (GEMM 1 saving z, the two dgrads, the four
+weight-gradient kernels). The GEMMs come from ``templates/sm100/grouped_gemm.py.j2`` (tcgen05.mma, accumulators in
+tensor memory, TMA loads; the dgrads read W N-major, dgrad1 with the dSwiGLU + router-gradient epilogue) and
+``templates/sm100/wgrad.py.j2`` (varlen-K, both operands MN-major, bf16 or the fp32 main_grad form); routing,
+gather and combine are the SIMT kernels of ``templates/sm90/`` (plain loads, stores and integer atomics: no
+Hopper-only instruction), rendered unchanged and compiled for sm_100a. Everything here is compiled and checked on
+the CPU in CI; nothing has run on a Blackwell GPU. :func:`render_grouped_gemm` renders the expert-grouped GEMMs
+with the parameter names the sm_90a ``_grouped_params`` computes, so the two templates share one render context as
+far as their features overlap.
 """
 from __future__ import annotations
 
@@ -168,24 +167,59 @@ def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:
     return out
 
 
-def emit_forward(plan: Plan) -> Sources:
-    """The sm_100a sources of `plan`'s inference forward: routing, gather (GEMM 1 reads the gathered rows by TMA
-    tiles), gemm1, gemm2 (templates/sm100/grouped_gemm.py.j2), combine (the shared SIMT templates)."""
+def fit_stages(plan: Plan, bn: int, bk: int, epi_n: int, epi_stages: int, parts: int = 1,
+               most: int | None = None) -> int:
+    """The most stages of the sm_100a GEMMs' ring (`parts` W boxes of `bn` rows, `bk` deep) that fit the shared
+    memory beside the epilogue buffers and barriers, capped at `most`."""
+    limit = get_arch(plan.arch).smem_per_cta
+    fit = (limit - UMMA_M * epi_n * 2 * epi_stages - BARRIER_BYTES) // ((UMMA_M + parts * bn) * bk * 2)
+    return fit if most is None else min(fit, most)
+
+
+def emit_sm100(plan: Plan) -> Sources:
+    """The sm_100a sources of `plan`: routing, gather (GEMM 1 reads the gathered rows by TMA tiles; the backward
+    gathers dO's and x's rows with it), gemm1, gemm2 (templates/sm100/grouped_gemm.py.j2), combine (the shared
+    SIMT templates) and, where the plan has a backward, gemm1_train, dgrad1, dgrad2 (grouped_gemm.py.j2) and the
+    weight gradients wgrad1 / wgrad2 and their fp32 main_grad forms (wgrad.py.j2), each with its backward tile
+    from the plan (stages: as many as fit)."""
     if plan.arch != "sm_100a":
-        raise EmitError(f"plan.arch: emit_forward renders sm_100a kernels, got {plan.arch!r}")
+        raise EmitError(f"plan.arch: emit_sm100 renders sm_100a kernels, got {plan.arch!r}")
     spec = plan.spec
     if spec.dtype != "bf16":
         raise EmitError(f"spec.dtype: the sm_100a kernels are BF16 only so far, got {spec.dtype!r}")
-    if plan.schedule != "chain" or plan.gemm1.a_load != "tma" or plan.backward is not None:
-        raise EmitError("plan: an sm_100a plan runs the chain schedule, GEMM 1 on gathered rows (a_load 'tma') and "
-                        "no backward kernels (mokgen.plan.solve(spec, 'sm_100a') gives that form)")
+    if plan.schedule != "chain" or plan.gemm1.a_load != "tma":
+        raise EmitError("plan: an sm_100a plan runs the chain schedule and GEMM 1 on gathered rows (a_load 'tma'; "
+                        "mokgen.plan.solve(spec, 'sm_100a') gives that form)")
     render = Renderer(plan)
     render.routing()
     render.gather()
     render.files["gemm1.py"] = render_grouped_gemm(plan, 1)
     render.files["gemm2.py"] = render_grouped_gemm(plan, 2)
     render.combine()
+    bw = plan.backward
+    if bw is not None:
+        for name in BACKWARD + WGRADS:
+            g = getattr(bw, name)
+            if (g.consumer, g.cluster, g.z_load, g.epi_store) != ("cooperative", 1, "direct", "smem"):
+                raise EmitError(f"plan.backward.{name}: the sm_100a backward GEMMs take cooperative 128-row tiles, "
+                                f"cluster 1, z_load 'direct', epi_store 'smem' (got {g.consumer}, {g.cluster}, "
+                                f"{g.z_load!r}, {g.epi_store!r}; mokgen.plan.solve(spec, 'sm_100a') gives that form)")
+        render.files["gemm1_train.py"] = render_grouped_gemm(plan, 1, save_z=True)
+        g2 = plan.gemm2
+        for name in BACKWARD:
+            d = getattr(bw, name)
+            stages = fit_stages(plan, d.bn, g2.bk, g2.epi_n, g2.epi_stages, most=d.stages)
+            render.files[f"{name}.py"] = render_grouped_gemm(plan, name, bn=d.bn, stages=stages)
+        for name in WGRADS:
+            w = getattr(bw, name)
+            tile = dict(bn=w.bn, bk=w.bk, stages=fit_stages(plan, w.bn, w.bk, 32, 2, most=w.stages),
+                        raster=w.raster_group)
+            for acc in (False, True):
+                render.files[f"{name}{'_acc' if acc else ''}.py"] = render_wgrad(plan, name, accumulate=acc, **tile)
     return render.sources()
+
+
+emit_forward = emit_sm100   # the name before the sm_100a backward existed
 
 
 WGRAD_TEMPLATE = "sm100/wgrad.py.j2"

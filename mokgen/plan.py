@@ -604,7 +604,7 @@ def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCo
 def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
     candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
-    if not get_arch(arch).training:   # sm_100a: one form (its rules) until it has its own ranking
+    if get_arch(arch).has_tcgen05:   # sm_100a: one form (its rules) until it has its own ranking
         return [_tcgen05_form(spec, arch, {})]
     return [_settle_epi_store(p, {}) for p in _candidates_any(spec, arch)]
 
@@ -763,7 +763,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     for k in epi:
         if k != "epi_store" and k.removesuffix("_epi_store") not in EPI_KERNELS:
             raise PlanError(f"plan.{k}: unknown override; allowed: {', '.join(OVERRIDES)}")
-    if not get_arch(arch).training:   # sm_100a: the forward only, in its kernels' form
+    if get_arch(arch).has_tcgen05:   # sm_100a: its kernels' form
         return _tcgen05_form(spec, arch, overrides)
     streams = overrides.get("bwd_streams")
     rest = {k: v for k, v in overrides.items() if k not in epi and k != "bwd_streams"}
@@ -774,33 +774,43 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
 # sm_100a (Blackwell): the plan's sm_100a rules until its own cost model and tile rules exist. The forward GEMMs
 # are mokgen/emit_sm100.py's tcgen05 kernels, which read GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per
 # 128-row UMMA tile (cooperative, cluster 1) in the chain schedule and size their own TMEM and stage ring from the
-# tile N and stages solved here with the sm_90a rules; no backward kernels exist for sm_100a yet (issue 20).
+# tile N and stages solved here with the sm_90a rules. The backward's tiles (N, K step) come from the same rules;
+# its sm_90a-only knobs (dgrad1's z through the ring, the ring epilogue) are settled off, and its knobs are not
+# overridable yet (issue 20).
 TCGEN05_ONLY = {"schedule": "chain", "cluster": 1, "gemm1_cluster": 1, "gemm2_cluster": 1, "gemm1_a_load": "tma",
                  "consumer": "cooperative", "gemm1_consumer": "cooperative", "gemm2_consumer": "cooperative"}
 
 
 def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
-    """The plan of an arch whose kernels are the tcgen05 forward only (arch.py: training False; sm_100a)."""
+    """The plan of an arch whose GEMMs are mokgen/emit_sm100.py's tcgen05 kernels (arch.py: has_tcgen05; sm_100a):
+    the forward in their form and the backward with the default tiles."""
     for key, value in overrides.items():
         if key in TCGEN05_ONLY and value != TCGEN05_ONLY[key]:
             raise PlanError(f"plan.{key}: the {arch} kernels run {key} {TCGEN05_ONLY[key]!r} only so far, "
                             f"got {value!r}")
-        if key == "bwd_streams" or key.startswith(("dgrad", "wgrad")):
-            raise PlanError(f"plan.{key}: {arch} has no backward kernels yet (its plans are forward only)")
+        if key.startswith(("dgrad", "wgrad")):
+            raise PlanError(f"plan.{key}: the {arch} backward GEMMs take the default tiles only so far")
         if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint"):
             raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
     if spec.dtype != "bf16":
         raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (BF16 only; mxfp8 comes with "
                         f"the Blackwell issue), got dtype {spec.dtype!r}")
-    rest = {k: v for k, v in overrides.items() if k not in ("schedule", "consumer")}
+    rest = {k: v for k, v in overrides.items() if k not in ("schedule", "consumer", "bwd_streams")}
     plan = _solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
     g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
     g2 = dataclasses.replace(plan.gemm2, cluster=1)
+    backward = plan.backward
+    if backward is not None:   # the tcgen05 dgrads read z and write dz from registers and store through smem
+        backward = dataclasses.replace(backward, **{
+            n: dataclasses.replace(getattr(backward, n), consumer="cooperative", cluster=1, z_load="direct",
+                                   epi_store="smem")
+            for n in BACKWARD_GEMMS})
     notes = tuple(n for n in plan.notes if not n.startswith("overrides: consumer=cooperative")
                   and not n.startswith("overrides: schedule=chain"))
-    notes += (f"{arch}: the tcgen05 forward GEMMs (GEMM 1 on gathered rows), chain schedule; no backward kernels "
-              "yet (issue 20)",)
-    return dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=None, notes=notes)
+    notes += (f"{arch}: the tcgen05 GEMMs (GEMM 1 on gathered rows, the backward's dgrads with W read N-major and "
+              f"varlen-K weight gradients), chain schedule; compiled here, never run on a Blackwell GPU (issue 20)",)
+    plan = dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=backward, notes=notes)
+    return _settle_streams(plan, overrides.get("bwd_streams"))
 
 
 def _settle_streams(plan: Plan, streams: Any) -> Plan:

@@ -28,7 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: compiles kernels (minutes on 2 cores); run by default")
     config.addinivalue_line("markers", "training: needs the visible GPU's arch to have backward kernels "
-                            "(mokgen.arch: Arch.training); skipped on an arch that has the forward only (sm_100a)")
+                            "(mokgen.arch: Arch.training); skipped on an arch that has the forward only")
     config.addinivalue_line("markers", "fp8: needs the visible GPU's arch to plan dtype fp8 (sm_90a)")
 
 
