@@ -219,9 +219,6 @@ def emit_sm100(plan: Plan) -> Sources:
     return render.sources()
 
 
-emit_forward = emit_sm100   # the name before the sm_100a backward existed
-
-
 WGRAD_TEMPLATE = "sm100/wgrad.py.j2"
 WGRADS = ("wgrad1", "wgrad2")
 
