@@ -67,11 +67,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         bn = g.bn // parts
     stages = g.stages if stages is None else stages
     n_out, k_dim = {1: (I, H), 2: (H, I), "dgrad1": (I, H), "dgrad2": (H, 2 * I)}[which]
-    if bn % 16 or not 16 <= bn <= 256:
-        raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
-    if ACC_STAGES * parts * bn > TMEM_COLUMNS:
-        raise EmitError(f"{what}.bn: {ACC_STAGES} x {parts} accumulators of {bn} columns exceed {TMEM_COLUMNS} TMEM "
-                        f"columns")
+    _check_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
     if plan.bm % UMMA_M:
         raise EmitError(f"plan.bm: routing tiles of {plan.bm} rows are not a multiple of the {UMMA_M}-row UMMA tile")
     if k_dim % g.bk or g.bk % 16:
@@ -80,10 +76,6 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
     if which in (1, "dgrad1") and n_out % bn:
         raise EmitError(f"{what}.bn: the SwiGLU epilogue needs whole N tiles, {bn} per part does not divide ffn {I}")
-    smem = smem_bytes(bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
-    limit = get_arch(plan.arch).smem_per_cta
-    if smem > limit:
-        raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
     k_stride, b_mn = 1, False
     if which == 1:
         n_stride, p_stride = _w1_strides(spec)
@@ -167,6 +159,21 @@ def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:
     return out
 
 
+def _check_tile(plan: Plan, what: str, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int,
+                parts: int = 1) -> None:
+    """The tcgen05 GEMMs' tile limits: the UMMA N, the TMEM columns of the double-buffered accumulators, the
+    stage ring and epilogue buffers in shared memory."""
+    if bn % 16 or not 16 <= bn <= 256:
+        raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
+    if ACC_STAGES * parts * bn > TMEM_COLUMNS:
+        raise EmitError(f"{what}.bn: {ACC_STAGES} x {parts} accumulators of {bn} columns exceed {TMEM_COLUMNS} TMEM "
+                        f"columns")
+    smem = smem_bytes(bn, bk, stages, epi_n, epi_stages, parts)
+    limit = get_arch(plan.arch).smem_per_cta
+    if stages < 2 or smem > limit:
+        raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
+
+
 def fit_stages(plan: Plan, bn: int, bk: int, epi_n: int, epi_stages: int, parts: int = 1,
                most: int | None = None) -> int:
     """The most stages of the sm_100a GEMMs' ring (`parts` W boxes of `bn` rows, `bk` deep) that fit the shared
@@ -240,20 +247,15 @@ def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 
     H, I = spec.hidden, spec.ffn
     m_out, n_out = (2 * I, H) if which == "wgrad1" else (H, I)
     what = f"plan.backward.{which}"
-    if bn % 16 or not 16 <= bn <= 256:
-        raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
-    if bk % 16 or plan.bm % bk:   # (ACC_STAGES x 256 columns fill TMEM's 512 at most)
+    if stages is None:
+        stages = fit_stages(plan, bn, bk, epi_n, epi_stages)
+    _check_tile(plan, what, bn, bk, stages, epi_n, epi_stages)
+    if bk % 16 or plan.bm % bk:
         raise EmitError(f"{what}.bk: {bk} must be a multiple of the UMMA K (16) dividing the routing tile {plan.bm} "
                         f"(every group starts on a multiple of it)")
     if bn % epi_n or (accumulate and n_out % epi_n):
         raise EmitError(f"{what}.epi_n: {epi_n} must divide the tile's {bn} columns"
                         + (f" and N {n_out} (the fp32 read-add-write goes by whole slices)" if accumulate else ""))
-    limit = get_arch(plan.arch).smem_per_cta
-    if stages is None:
-        stages = (limit - UMMA_M * epi_n * 2 * epi_stages - BARRIER_BYTES) // ((UMMA_M + bn) * bk * 2)
-    smem = smem_bytes(bn, bk, stages, epi_n, epi_stages)
-    if stages < 2 or smem > limit:
-        raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
     table = which + ("_acc" if accumulate else "")
     return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], m_out=m_out, n_out=n_out,
                 groups=spec.groups, group_m=plan.bm, accumulate=accumulate, bm=UMMA_M, bn=bn, bk=bk, stages=stages,

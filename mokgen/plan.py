@@ -987,9 +987,7 @@ def fp8_widen(arch: Arch, which: int, g: GemmPlan, n: int) -> GemmPlan:
     traffic is what bounds the 128-column FP8 GEMMs: bench/NOTES.md v14). Promotion serial (the halves take
     turns; the two warpgroups fill each other's promotion gaps); stages: as many 48 KiB stages as fit."""
     wide = dataclasses.replace(g, bn=2 * FP8_BN, mma_split=2, promote="serial", n_tiles=-(-n // (2 * FP8_BN)))
-    most = (arch.smem_per_cta - (wide.smem_bytes() - wide.stages * (wide.tile_m + wide.bn) * wide.bk)) // (
-        (wide.tile_m + wide.bn) * wide.bk)
-    wide = dataclasses.replace(wide, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
+    wide = _fp8_fill_stages(arch, wide)
     return _with_epi_store(wide) if g.epi_store == "ring" else wide
 
 
@@ -1009,10 +1007,16 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
         a_load="tma", n_tiles=-(-n // bn), k_tiles=-(-k // FP8_BK),
         epi_n=g.epi_n if (bn // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
         z_chunk=min(g.z_chunk, bn // 4))
-    most = (arch.smem_per_cta - (fp8.smem_bytes() - fp8.stages * (fp8.tile_m + fp8.bn) * fp8.bk)) // (
-        (fp8.tile_m + fp8.bn) * fp8.bk)
-    fp8 = dataclasses.replace(fp8, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
+    fp8 = _fp8_fill_stages(arch, fp8)
     return _with_z_load(fp8) if which == 3 else fp8
+
+
+def _fp8_fill_stages(arch: Arch, g: GemmPlan) -> GemmPlan:
+    """FP8 GEMM `g` with as many 1-byte stages as fit the shared memory beside its epilogue buffers and barriers
+    (within [MIN_STAGES, MAX_STAGES])."""
+    stage = (g.tile_m + g.bn) * g.bk
+    most = (arch.smem_per_cta - (g.smem_bytes() - g.stages * stage)) // stage
+    return dataclasses.replace(g, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
 
 
 def _solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
