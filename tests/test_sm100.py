@@ -28,6 +28,14 @@ PTX_WANTED = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.relinq
 G1_CASES = [("kimi-k2", {}), ("gpt-oss-120b", {}), ("kimi-k2", {"save_z": True})]
 
 
+def _mma_descriptors(ptx: str) -> list[int]:
+    """The constant parts of the first tcgen05.mma's instruction descriptor (selected just before the MMA:
+    accumulate or not): bit 15 A MN-major, bit 16 B MN-major."""
+    reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
+    parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
+    return [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;", ptx).groups()]
+
+
 def _plan(name):
     return solve(load_spec(name), "sm_100a")
 
@@ -380,11 +388,7 @@ def test_dgrad2_compiles_for_sm100a(name, kw, tmp_path):
         assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "wgmma" not in ptx
         missing = [s for s in PTX_WANTED if s not in ptx]
         assert not missing, (kname, missing)
-        # the instruction descriptor: its constant part, selected just before the MMA (accumulate or not)
-        reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
-        parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
-        descs[kname] = [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;",
-                                                 ptx).groups()]
+        descs[kname] = _mma_descriptors(ptx)
     assert all(d & (1 << 16) == 0 for d in descs["gemm2"]), descs
     assert [d ^ (1 << 16) for d in descs["dgrad2"]] == descs["gemm2"], descs
 
@@ -435,9 +439,7 @@ def test_dgrad1_compiles_for_sm100a(name, kw, tmp_path):
     ptx = (Path(art.dir) / "dgrad1.ptx").read_text()
     assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "wgmma" not in ptx
     assert not [x for x in PTX_WANTED if x not in ptx]
-    reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
-    parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
-    desc = [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;", ptx).groups()]
+    desc = _mma_descriptors(ptx)
     assert all(d & (1 << 16) for d in desc), desc
     bn = kw.get("bn", 256)
     slices = bn // 32
@@ -511,9 +513,7 @@ def test_wgrad_compiles_for_sm100a(name, which, acc, tmp_path):
     ptx = (Path(art.dir) / f"{table}.ptx").read_text()
     assert re.search(r"^\.target\s+sm_100a\b", ptx, re.M) and "wgmma" not in ptx
     assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and not [x for x in PTX_WANTED if x not in ptx]
-    reg = re.search(r"tcgen05\.mma[^\[]*\[%r\d+\], %rd\d+, %rd\d+, (%r\d+)", ptx).group(1)
-    parts = re.search(rf"or\.b32\s+{re.escape(reg)}, (%r\d+), %r\d+;", ptx).group(1)
-    desc = [int(v) for v in re.search(rf"selp\.b32\s+{re.escape(parts)}, (\d+), (\d+), %p\d+;", ptx).groups()]
+    desc = _mma_descriptors(ptx)
     assert all(d & (3 << 15) == 3 << 15 for d in desc), desc
     if acc:
         assert ptx.count("ld.global.v4") == ptx.count("st.global.v4") == 256 // 4
