@@ -15,7 +15,9 @@ torch (not the spec, the plan, the compiler or the runtime). Two recipes:
    8-bit biased exponent in a uint8 tensor) per 32 elements along K (:func:`quantize_mx`, :func:`gemm_mx`).
 
 Scales are kept in their logical layout (``[rows, ceil(K/128)]`` and so on, row-major, unpadded); the
-TMA-aligned / transposed / swizzled layouts the kernels read are a packing step on top of these.
+TMA-aligned / transposed / swizzled layouts the kernels read are a packing step on top of these. The MXFP8 one
+is here: :func:`pack_mx_scales` / :func:`unpack_mx_scales` (the "SF atom" layout of Blackwell's block-scaled
+MMA, :func:`mx_sf_offset`).
 
 Decisions (each one is checked by ``tests/test_fp8.py``):
 
@@ -80,6 +82,13 @@ __all__ = [
     "mx_scale_values",
     "gemm_mx",
     "gemm_mx_f64",
+    "MX_SF_ROWS",
+    "MX_SF_COLS",
+    "MX_SF_ATOM",
+    "mx_sf_bytes",
+    "mx_sf_offset",
+    "pack_mx_scales",
+    "unpack_mx_scales",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -393,3 +402,74 @@ def gemm_mx(qa, ea, qb, eb, block: int = MX_BLOCK) -> torch.Tensor:
 def gemm_mx_f64(qa, ea, qb, eb, block: int = MX_BLOCK) -> torch.Tensor:
     """The float64 reference of :func:`gemm_mx` on the exactly dequantized operands."""
     return dequantize_mx(qa, ea, block, torch.float64) @ dequantize_mx(qb, eb, block, torch.float64).T
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the MXFP8 scale-factor layout of Blackwell's block-scaled MMA (tcgen05.mma ... kind::mxf8f6f4.block_scale)
+#
+# The MMA reads its e8m0 scales from tensor memory, where tcgen05.cp copies them from shared memory, where TMA
+# loads them from global memory in 512-byte "SF atoms": one atom holds the scales of 128 rows (of A's M or B's N)
+# times 4 consecutive 32-element K blocks (128 elements of K). Inside an atom, row r (0 <= r < 128) and K block
+# j (0 <= j < 4) sit at byte (r % 32) * 16 + (r // 32) * 4 + j: the four 32-row quarters interleaved 4 bytes
+# apart, so each 16-byte line holds rows r, r + 32, r + 64, r + 96 (the layout cutlass.utils.blockscaled_layout's
+# BlockScaledBasicChunk describes, ((32, 4), (32, 4)) : ((16, 4), (0, 1)) over (rows, K elements), and the PTX
+# ISA's "scale factor A / B layout" for a scale vector of 32). Atoms are laid out K-fastest: the atom of row
+# block rb and K-block group kg starts at byte (rb * ceil(KB / 4) + kg) * 512 (tile_atom_to_shape_SF's order
+# (2, 1, 3)); a batch (an expert's weights) is the next ceil(R / 128) * ceil(KB / 4) atoms. Rows and K blocks
+# past the logical ones pad the last atoms (their bytes are a fill code, 127 = scale 1.0 by default: the MMA
+# multiplies them with TMA's zero fill of the out-of-bounds operand elements).
+
+MX_SF_ROWS = 128          # rows per SF atom
+MX_SF_COLS = 4            # 32-element K blocks per SF atom
+MX_SF_ATOM = MX_SF_ROWS * MX_SF_COLS   # bytes per SF atom
+
+
+def mx_sf_bytes(rows: int, kblocks: int) -> int:
+    """Bytes of the packed scales of one [rows, kblocks] matrix (whole atoms: padded to 128 rows x 4 blocks)."""
+    return _cdiv(rows, MX_SF_ROWS) * _cdiv(kblocks, MX_SF_COLS) * MX_SF_ATOM
+
+
+def mx_sf_offset(r, kb, kblocks: int):
+    """Byte offset of the scale of row ``r``, K block ``kb`` in the packed layout of a matrix with ``kblocks``
+    K blocks (ints or integer tensors, broadcast): the address arithmetic of the quantize kernels
+    (templates/sm100/quant_mx.py.j2), the layout the block-scaled GEMMs' TMA reads."""
+    groups = _cdiv(kblocks, MX_SF_COLS)
+    return (((r // MX_SF_ROWS) * groups + kb // MX_SF_COLS) * MX_SF_ATOM
+            + (r % 32) * 16 + ((r % MX_SF_ROWS) // 32) * 4 + kb % MX_SF_COLS)
+
+
+def pack_mx_scales(e: torch.Tensor, fill: int = E8M0_BIAS) -> torch.Tensor:
+    """e8m0 codes in their logical layout, uint8 ``[..., R, KB]`` (KB = ceil(K / 32), :func:`quantize_mx`'s),
+    -> the SF-atom byte layout the block-scaled MMA reads, uint8 ``[..., mx_sf_bytes(R, KB)]``, every leading
+    index (a batch: an expert) packed on its own; padding rows / blocks get ``fill`` (not 255: e8m0's NaN)."""
+    fn = "pack_mx_scales"
+    if not isinstance(e, torch.Tensor) or e.dtype != torch.uint8 or e.dim() < 2:
+        raise TypeError(f"{fn}: e must be a uint8 tensor of e8m0 codes with at least 2 dims, got "
+                        f"{getattr(e, 'dtype', type(e).__name__)} {tuple(getattr(e, 'shape', ()))}")
+    if not isinstance(fill, int) or not 0 <= fill <= 254:
+        raise ValueError(f"{fn}: fill must be an e8m0 code in [0, 254], got {fill!r}")
+    *lead, R, KB = e.shape
+    nR, nG = _cdiv(R, MX_SF_ROWS), _cdiv(KB, MX_SF_COLS)
+    p = torch.full((*lead, nR * MX_SF_ROWS, nG * MX_SF_COLS), fill, dtype=torch.uint8, device=e.device)
+    p[..., :R, :KB] = e
+    # (rb, q, r32, kg, j) -> (rb, kg, r32, q, j): row = rb * 128 + q * 32 + r32, block = kg * 4 + j
+    p = p.reshape(*lead, nR, 4, 32, nG, MX_SF_COLS)
+    n = len(lead)
+    p = p.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    return p.reshape(*lead, nR * nG * MX_SF_ATOM).contiguous()
+
+
+def unpack_mx_scales(packed: torch.Tensor, rows: int, kblocks: int) -> torch.Tensor:
+    """The inverse of :func:`pack_mx_scales`: uint8 ``[..., mx_sf_bytes(rows, kblocks)]`` -> ``[..., rows,
+    kblocks]`` (the padding dropped)."""
+    fn = "unpack_mx_scales"
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() < 1:
+        raise TypeError(f"{fn}: packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
+    if rows < 0 or kblocks < 0 or packed.shape[-1] != mx_sf_bytes(rows, kblocks):
+        raise ValueError(f"{fn}: a [{rows}, {kblocks}] matrix packs into {mx_sf_bytes(rows, kblocks)} bytes, got "
+                         f"{packed.shape[-1]}")
+    *lead, _ = packed.shape
+    nR, nG = _cdiv(rows, MX_SF_ROWS), _cdiv(kblocks, MX_SF_COLS)
+    n = len(lead)
+    p = packed.reshape(*lead, nR, nG, 32, 4, MX_SF_COLS).permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    return p.reshape(*lead, nR * MX_SF_ROWS, nG * MX_SF_COLS)[..., :rows, :kblocks].contiguous()
