@@ -1,8 +1,8 @@
 """FP8 quantization ground truth in plain torch (CPU or any device): what the FP8 kernels will have to match.
 
 The quantization kernels (templates/sm90/quant_*.py.j2, ``dtype: fp8`` specs) match the blockwise quantizers
-with ``pow2=True`` bit for bit (mokgen/fp8_ops.py, tests/test_fp8_kernels.py); the spec still refuses
-``dtype: mxfp8`` (Blackwell). The module imports only
+with ``pow2=True`` bit for bit (mokgen/fp8_ops.py, tests/test_fp8_kernels.py); ``dtype: mxfp8`` specs
+(sm_100a only) quantize with :func:`quantize_mx` and the packing :func:`pack_mx_scales`. The module imports only
 torch (not the spec, the plan, the compiler or the runtime). Two recipes:
 
 1. **Blockwise e4m3** (DeepSeek-V3 / DeepGEMM, Hopper; TransformerEngine's Float8BlockScaling with ``pow2=True``):

@@ -604,6 +604,7 @@ def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCo
 def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
     candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
+    _mxfp8_arch(spec, arch)
     if get_arch(arch).has_tcgen05:   # sm_100a: one form (its rules) until it has its own ranking
         return [_tcgen05_form(spec, arch, {})]
     return [_settle_epi_store(p, {}) for p in _candidates_any(spec, arch)]
@@ -763,6 +764,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     for k in epi:
         if k != "epi_store" and k.removesuffix("_epi_store") not in EPI_KERNELS:
             raise PlanError(f"plan.{k}: unknown override; allowed: {', '.join(OVERRIDES)}")
+    _mxfp8_arch(spec, arch)
     if get_arch(arch).has_tcgen05:   # sm_100a: its kernels' form
         return _tcgen05_form(spec, arch, overrides)
     streams = overrides.get("bwd_streams")
@@ -792,9 +794,14 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
             raise PlanError(f"plan.{key}: the {arch} backward GEMMs take the default tiles only so far")
         if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint"):
             raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
-    if spec.dtype != "bf16":
-        raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (BF16 only; mxfp8 comes with "
-                        f"the Blackwell issue), got dtype {spec.dtype!r}")
+    if spec.dtype not in ("bf16", "mxfp8"):
+        raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "
+                        f"recipe, sm_90a); on {arch} the FP8 format is dtype mxfp8 (e8m0 scales per 32 elements)")
+    if spec.dtype == "mxfp8":
+        for key in overrides:
+            if key.split("_")[-1] in ("bn", "bk", "stages") or key.endswith(("epi_n", "epi_stages")):
+                raise PlanError(f"plan.{key}: the {arch} MXFP8 GEMMs take their fixed tiles so far (GEMM 1 128 x "
+                                f"{MX_BN[1]}, GEMM 2 128 x {MX_BN[2]}, K tile {MX_BK}, as many stages as fit)")
     rest = {k: v for k, v in overrides.items() if k not in ("schedule", "consumer", "bwd_streams")}
     plan = _solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
     g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
@@ -810,7 +817,78 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
     notes += (f"{arch}: the tcgen05 GEMMs (GEMM 1 on gathered rows, the backward's dgrads with W read N-major and "
               f"varlen-K weight gradients), chain schedule; compiled here, never run on a Blackwell GPU (issue 20)",)
     plan = dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=backward, notes=notes)
+    if spec.dtype == "mxfp8":
+        plan = _tcgen05_mxfp8(plan)
     return _settle_streams(plan, overrides.get("bwd_streams"))
+
+
+# MXFP8 on tcgen05 (dtype mxfp8, sm_100a): e4m3 operands, one e8m0 scale per 32 K elements, the block-scaled MMA
+# (kind::mxf8f6f4.block_scale) reading the scales from tensor memory. K tile 128 (one scale-factor atom column:
+# 4 scales per row, mokgen.fp8.pack_mx_scales); tile N per part 128 (one 128-row SF atom of W per K step; GEMM 1:
+# gate and up, bn 256 in the plan's count). The forward only: the MXFP8 backward kernels are not built.
+MX_BK = 128
+MX_BN = {1: 256, 2: 128}   # plan.gemm*.bn (GEMM 1 counts gate + up)
+MX_SF_STAGE = 512          # bytes of one 128-row x 4-scale SF atom (one K step of 128 rows)
+
+
+def tcgen05_mx_smem(parts: int, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int) -> int:
+    """Shared memory of an sm_100a MXFP8 grouped GEMM (mokgen/emit_sm100.py checks the same): per stage the A box
+    (128 x bk e4m3), `parts` W boxes (bn x bk), their scale atoms (A: 128 rows, W: bn rows rounded up to 128, bk /
+    32 scales each); the bf16 epilogue buffers; barriers; 1024 bytes of alignment per buffer."""
+    sf_cols = bk // 32
+    stage = 128 * bk + parts * bn * bk + 128 * sf_cols + parts * -(-bn // 128) * 128 * sf_cols
+    return stages * stage + 128 * epi_n * 2 * epi_stages + 1024 + (3 + 2 * parts) * 1024
+
+
+def _tcgen05_mxfp8(plan: Plan) -> Plan:
+    """The MXFP8 form of an sm_100a plan: GEMM 1 / GEMM 2 with e4m3 operands (elem_bytes 1), K tile MX_BK, tile N
+    MX_BN, as many stages as fit the shared memory (tcgen05_mx_smem); no backward (training is refused: the MXFP8
+    dgrad / wgrad kernels do not exist yet)."""
+    a = get_arch(plan.arch)
+    gemms = {}
+    for which in (1, 2):
+        g = getattr(plan, f"gemm{which}")
+        parts = 2 if which == 1 else 1
+        bn = MX_BN[which]
+        fit = [s for s in range(2, 17)
+               if tcgen05_mx_smem(parts, bn // parts, MX_BK, s, g.epi_n, g.epi_stages) <= a.smem_per_cta]
+        n_out = plan.spec.ffn if which == 1 else plan.spec.hidden
+        k_dim = plan.spec.hidden if which == 1 else plan.spec.ffn
+        gemms[f"gemm{which}"] = dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1, stages=max(fit),
+                                                    n_tiles=-(-n_out // (bn // parts)), k_tiles=k_dim // MX_BK)
+    note = (f"mxfp8: e4m3 GEMMs with e8m0 scales per 32 along K on the block-scaled tcgen05 MMA, K tile {MX_BK}, "
+            f"tile N {MX_BN[1] // 2} per part (GEMM 1) / {MX_BN[2]} (GEMM 2); forward only: the MXFP8 backward "
+            f"kernels are not built, so this plan cannot train")
+    return dataclasses.replace(plan, backward=None, notes=plan.notes + (note,), **gemms)
+
+
+def _explain_mx_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
+    """The MXFP8 (sm_100a) GEMMs' explain lines: what _tcgen05_mxfp8 fixed, the stage ring with its scale atoms."""
+    n, k = _gemm_shape(spec, which)
+    title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
+    parts = 2 if which == 1 else 1
+    used = tcgen05_mx_smem(parts, g.bn // parts, g.bk, g.stages, g.epi_n, g.epi_stages)
+    waves = c.tiles / arch.sms
+    return [
+        f"{title}: N = {n}, K = {k}, MXFP8 (e4m3, one e8m0 scale per 32 along K, block-scaled tcgen05 MMA)",
+        "  A: " + ("x's rows gathered and quantized by quant_mx_gather" if which == 1 else
+                   "h's used rows quantized by quant_mx_used") + ", read by TMA tiles; their scales by TMA in "
+        "512-byte atoms, tcgen05.cp into tensor memory",
+        f"  bn = {g.bn}" + (f" ({g.bn // 2} gate + {g.bn // 2} up columns)" if which == 1 else "")
+        + f", bk = {g.bk} (fixed: one scale atom of 4 x 32 K elements per stage)",
+        f"  smem: {g.stages} stages (the most that fit) = {used} of {arch.smem_per_cta} B with the epilogue "
+        f"{g.tile_m}x{g.epi_n} x{g.epi_stages} buffers",
+        f"  raster_group = {g.raster_group}; tiles = {_m_tiles(spec, g.bm)} M x {g.n_tiles} N = {c.tiles}; waves = "
+        f"{waves:.2f} -> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
+        "  cost below: the BF16 model's (nothing measured: no Blackwell GPU here)",
+    ]
+
+
+def _mxfp8_arch(spec: Spec, arch: str) -> None:
+    """dtype mxfp8 is planned only where the GEMMs are tcgen05's (sm_100a)."""
+    if spec.dtype == "mxfp8" and not get_arch(arch).has_tcgen05:
+        raise PlanError(f"plan.arch: dtype mxfp8 (Blackwell's block-scaled MMA) is planned for sm_100a, got "
+                        f"{arch!r}; Hopper's FP8 is dtype fp8")
 
 
 def _settle_streams(plan: Plan, streams: Any) -> Plan:
@@ -932,7 +1010,7 @@ def stagger_problem(g: GemmPlan) -> str | None:
 def _fp8_arch(arch: str) -> Arch:
     if arch != "sm_90a":
         raise PlanError(f"plan.arch: dtype fp8 (blockwise e4m3 with promotion, Hopper's recipe) is planned for sm_90a, "
-                        f"got {arch!r}; Blackwell's block-scaled format is mxfp8 (not built yet)")
+                        f"got {arch!r}; Blackwell's block-scaled format is dtype mxfp8")
     return get_arch(arch)
 
 
@@ -1221,6 +1299,8 @@ def _pct(x: float) -> str:
 
 
 def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
+    if spec.dtype == "mxfp8":
+        return _explain_mx_gemm(spec, arch, which, g, c)
     if g.elem_bytes == 1:
         return _explain_fp8_gemm(spec, arch, which, g, c)
     n, k = _gemm_shape(spec, which)

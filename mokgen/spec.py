@@ -23,10 +23,16 @@ from .arch import ARCH_NAMES, ARCHS
 __all__ = ["Spec", "SpecError", "load_spec", "list_presets", "KNOWN_ARCHS", "K_BLOCK", "MAX_TOKENS"]
 
 KNOWN_ARCHS = ARCH_NAMES  # mokgen.arch is the one arch table
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "mxfp8")
 # fp8: the blockwise e4m3 recipe (1x128 activation tiles, 128x128 weight blocks, fp32 scales; mokgen/fp8.py) on
-# Hopper; mxfp8 (e8m0 scales per 32 elements) is Blackwell's block-scaled MMA format, not planned for sm_90a
-RESERVED_DTYPES = ("mxfp8",)
+# Hopper; mxfp8 (e4m3 with one e8m0 scale per 32 elements along K) is Blackwell's block-scaled MMA format
+# (tcgen05.mma kind::mxf8f6f4.block_scale), sm_100a only: its specs name archs: [sm_100a]
+RESERVED_DTYPES: tuple[str, ...] = ()
+MXFP8_ARCHS = ("sm_100a",)
+# the block-scaled GEMMs' K tile is 128 (one 512-byte scale-factor atom: 4 scales of 32 along K for 128 rows,
+# mokgen.fp8.pack_mx_scales) and their weights' scale atoms cover 128 rows of N: hidden and ffn (each a K of one
+# forward GEMM and an N of the other) must be multiples of 128
+MXFP8_DIM = 128
 # dtype fp8 keeps bf16's rule (hidden, ffn multiples of 64): where they are not multiples of the 128-wide
 # quantization blocks (gpt-oss-120b's 2880) the last block along K / N is partial, as if zero-padded (mokgen/fp8.py)
 FP8_ARCHS = ("sm_90a",)
@@ -290,10 +296,12 @@ def _check(spec: Spec) -> None:
     if not 0 <= shared <= MAX_SHARED_EXPERTS:
         raise _fail("shared_experts", f"must be in [0, {MAX_SHARED_EXPERTS}], got {shared}")
 
-    if spec.dtype == "mxfp8":
-        raise _fail("dtype", "mxfp8 is the sm_100a (Blackwell) block-scaled format (e8m0 scales per 32 elements), "
-                             f"not supported on the Hopper kernels; allowed: {', '.join(DTYPES)} (fp8: blockwise e4m3)")
     _choice(spec, "dtype", DTYPES)
+    if spec.dtype == "mxfp8":
+        for field in ("hidden", "ffn"):
+            if getattr(spec, field) % MXFP8_DIM:
+                raise _fail(field, f"dtype mxfp8 needs a multiple of {MXFP8_DIM} (the block-scaled GEMMs' K tile and "
+                                   f"the 128-row scale-factor atoms of W), got {getattr(spec, field)}")
     activation = _choice(spec, "activation", ACTIVATIONS)
     _choice(spec, "gate_up_layout", GATE_UP_LAYOUTS)
     if not isinstance(spec.bias, bool):
@@ -333,6 +341,12 @@ def _check(spec: Spec) -> None:
             if arch not in FP8_ARCHS:
                 raise _fail(f"archs[{i}]", f"dtype fp8 (blockwise e4m3, fp32 block scales) targets "
                                            f"{', '.join(FP8_ARCHS)} (Hopper), got {arch!r}")
+    if spec.dtype == "mxfp8":
+        for i, arch in enumerate(archs):
+            if arch not in MXFP8_ARCHS:
+                raise _fail(f"archs[{i}]", f"dtype mxfp8 (e4m3 with e8m0 scales per 32 elements, Blackwell's "
+                                           f"block-scaled MMA) targets {', '.join(MXFP8_ARCHS)}, got {arch!r} (set "
+                                           f"archs: [sm_100a]; Hopper's FP8 is dtype fp8)")
     _check_device_bounds(spec)
 
 

@@ -672,10 +672,11 @@ def test_fp8_imports_only_torch():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_spec_accepts_fp8_refuses_mxfp8():
+def test_spec_accepts_fp8_and_mxfp8_on_their_archs():
     from mokgen.spec import SpecError, load_spec
 
     base = dict(name="t", hidden=256, ffn=256, experts=8, topk=2, tokens=256, archs=["sm_90a"])
     assert load_spec(dict(base, dtype="fp8")).dtype == "fp8"
-    with pytest.raises(SpecError, match="sm_100a \\(Blackwell\\) block-scaled format"):
+    with pytest.raises(SpecError, match=r"spec.archs\[0\]: dtype mxfp8 .* targets sm_100a, got 'sm_90a'"):
         load_spec(dict(base, dtype="mxfp8"))
+    assert load_spec(dict(base, dtype="mxfp8", archs=["sm_100a"])).dtype == "mxfp8"

@@ -135,3 +135,57 @@ def test_offset_is_the_dsl_layout(shape):
     cute.compile(trace, options="--gpu-arch sm_100a")
     want = [l * fp8.mx_sf_bytes(R, K // 32) + fp8.mx_sf_offset(m, k // 32, K // 32) for m, k, l in coords]
     assert [int(v) for v in got] == want
+
+
+# --------------------------------------------------------------------------------------------------------------
+# spec and plan
+
+
+MX = {"hidden": 1024, "ffn": 512, "experts": 8, "topk": 2, "tokens": 256, "dtype": "mxfp8", "archs": ["sm_100a"]}
+
+
+def test_plan_mxfp8_on_sm100():
+    from mokgen.arch import ARCHS
+    from mokgen.plan import MX_BK, solve, tcgen05_mx_smem
+    from mokgen.spec import load_spec
+
+    plan = solve(load_spec(MX), "sm_100a")
+    assert plan.backward is None and any(n.startswith("mxfp8: ") and "cannot train" in n for n in plan.notes)
+    for which, g in ((1, plan.gemm1), (2, plan.gemm2)):
+        parts = 2 if which == 1 else 1
+        assert (g.bk, g.elem_bytes, g.cluster, g.a_load if which == 1 else "tma") == (MX_BK, 1, 1, "tma")
+        fits = tcgen05_mx_smem(parts, g.bn // parts, g.bk, g.stages, g.epi_n, g.epi_stages)
+        assert 2 <= g.stages and fits <= ARCHS["sm_100a"].smem_per_cta
+        assert tcgen05_mx_smem(parts, g.bn // parts, g.bk, g.stages + 1, g.epi_n, g.epi_stages) > \
+            ARCHS["sm_100a"].smem_per_cta                                   # the most that fit
+    assert plan.gemm1.k_tiles == 1024 // MX_BK and plan.gemm2.k_tiles == 512 // MX_BK
+    assert plan.gemm1.n_tiles == 512 // (plan.gemm1.bn // 2) and plan.gemm2.n_tiles == 1024 // plan.gemm2.bn
+
+
+def test_plan_mxfp8_refusals():
+    from mokgen.plan import PlanError, solve
+    from mokgen.spec import load_spec
+
+    spec = load_spec(MX)
+    for arch in ("sm_90a",):
+        with pytest.raises(PlanError, match=r"^plan.arch: dtype mxfp8 .* is planned for sm_100a, got 'sm_90a'"):
+            solve(spec, arch)
+    with pytest.raises(PlanError, match=r"^plan.gemm2_bn: the sm_100a MXFP8 GEMMs take their fixed tiles"):
+        solve(spec, "sm_100a", gemm2_bn=256)
+    with pytest.raises(PlanError, match=r"^plan.arch: dtype fp8 is not planned for sm_100a yet .* on sm_100a the FP8 "
+                       r"format is dtype mxfp8"):
+        solve(load_spec({**MX, "dtype": "fp8", "archs": ["sm_90a"]}), "sm_100a")
+
+
+def test_kimi_k2_mxfp8_spec_file():
+    from pathlib import Path
+
+    from mokgen.plan import solve
+    from mokgen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "tools" / "specs" / "kimi-k2-mxfp8.yaml")
+    kimi = load_spec("kimi-k2")
+    assert (spec.dtype, spec.archs) == ("mxfp8", ("sm_100a",))
+    assert {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype", "archs")} == \
+        {k: v for k, v in kimi.to_dict().items() if k not in ("name", "dtype", "archs")}
+    assert solve(spec, "sm_100a").gemm1.elem_bytes == 1

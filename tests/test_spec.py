@@ -105,7 +105,10 @@ BAD = [
     ({"tokens": 2.5}, "spec.tokens", "must be an integer"),
     ({"shared_experts": 5}, "spec.shared_experts", "[0, 4]"),
     ({"shared_experts": -1}, "spec.shared_experts", "[0, 4]"),
-    ({"dtype": "mxfp8"}, "spec.dtype", "sm_100a (Blackwell) block-scaled format"),
+    ({"dtype": "mxfp8"}, "spec.archs[0]", "dtype mxfp8 (e4m3 with e8m0 scales per 32 elements, Blackwell's "
+     "block-scaled MMA) targets sm_100a, got 'sm_90a'"),
+    ({"dtype": "mxfp8", "archs": ["sm_100a"], "hidden": 320}, "spec.hidden", "dtype mxfp8 needs a multiple of 128"),
+    ({"dtype": "mxfp8", "archs": ["sm_100a"], "ffn": 192}, "spec.ffn", "dtype mxfp8 needs a multiple of 128"),
     ({"dtype": "fp8", "hidden": 200}, "spec.hidden", "positive multiple of 64"),   # fp8 keeps bf16's rule
     ({"dtype": "fp8", "archs": ["sm_90a", "sm_100a"]}, "spec.archs[1]", "targets sm_90a"),
     ({"dtype": "fp16"}, "spec.dtype", "bf16"),
