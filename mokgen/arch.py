@@ -45,8 +45,9 @@ ARCHS: dict[str, Arch] = {
                     capability=(10, 0), device_bytes=180 * 10**9,
                     ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "tcgen05"), templates=True,
                     training=True,
-                    note="sm_100a: the forward and the backward (tcgen05 GEMMs; routing, gather, combine), BF16, "
-                         "compiled here and never run on a Blackwell GPU: no correctness or speed claim on hardware"),
+                    note="sm_100a: the forward and the backward (tcgen05 GEMMs; routing, gather, combine) in BF16, the "
+                         "forward in MXFP8 (dtype mxfp8: block-scaled tcgen05 GEMMs, quantizers), compiled here and "
+                         "never run on a Blackwell GPU: no correctness or speed claim on hardware"),
 }
 ARCH_NAMES: tuple[str, ...] = tuple(ARCHS)
 

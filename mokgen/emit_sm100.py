@@ -17,7 +17,7 @@ from typing import Any
 
 from . import kernels
 from .emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
-from .plan import Plan, get_arch
+from .plan import Plan, get_arch, tcgen05_mx_smem
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
 UMMA_M = 128          # tcgen05.mma rows of one CTA (cta_group 1)
@@ -55,8 +55,10 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     if plan.arch != "sm_100a":
         raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
     spec = plan.spec
-    if spec.dtype != "bf16":
-        raise EmitError(f"spec.dtype: the sm_100a grouped GEMM is BF16 only so far, got {spec.dtype!r}")
+    mx = spec.dtype == "mxfp8"
+    if spec.dtype not in ("bf16", "mxfp8") or (mx and (which not in (1, 2) or save_z)):
+        raise EmitError(f"spec.dtype: the sm_100a grouped GEMMs are BF16, and MXFP8 for the forward GEMMs 1 and 2 "
+                        f"only, got dtype {spec.dtype!r} for {'gemm1_train' if save_z else which!r}")
     H, I = spec.hidden, spec.ffn
     parts = 2 if which == 1 else 1
     g = plan.gemm1 if which == 1 else plan.gemm2
@@ -67,7 +69,10 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         bn = g.bn // parts
     stages = g.stages if stages is None else stages
     n_out, k_dim = {1: (I, H), 2: (H, I), "dgrad1": (I, H), "dgrad2": (H, 2 * I)}[which]
-    _check_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
+    if mx:
+        _check_mx_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
+    else:
+        _check_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
     if plan.bm % UMMA_M:
         raise EmitError(f"plan.bm: routing tiles of {plan.bm} rows are not a multiple of the {UMMA_M}-row UMMA tile")
     if k_dim % g.bk or g.bk % 16:
@@ -78,7 +83,9 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         raise EmitError(f"{what}.bn: the SwiGLU epilogue needs whole N tiles, {bn} per part does not divide ffn {I}")
     k_stride, b_mn = 1, False
     if which == 1:
-        n_stride, p_stride = _w1_strides(spec)
+        # MXFP8: quant_mx_w1 writes the e4m3 W1 in concat order (gate rows, then up rows) whatever the spec's
+        # layout, so that each part's rows and their scale atoms are contiguous
+        n_stride, p_stride = (H, I * H) if mx else _w1_strides(spec)
         g_stride = 2 * I * H
     elif which == "dgrad2":   # W1 [G, 2I, H] as (N = H, K = 2I): N contiguous, K strided by H
         n_stride, k_stride, p_stride, g_stride, b_mn = 1, H, 2 * I * H, 2 * I * H, True
@@ -91,6 +98,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         raise EmitError(f"{what}.epi_n: {g.epi_n} must divide the up block's offset {z_p} in z (concat)")
     activation, act_limit = _activation(spec)
     table = ("gemm1_train" if save_z else "gemm1") if which == 1 else "gemm2" if which == 2 else which
+    table += "_mx" if mx else ""
     return dict(
         args=kernels.ARGS[table],
         symbols=kernels.SYMBOLS[table],
@@ -110,12 +118,13 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         activation=activation,
         act_limit=act_limit,
         has_bias=bool(spec.bias) and which not in BACKWARD,
+        mx=mx,
         bm=UMMA_M,
         group_m=plan.bm,
         bn=bn,
         bk=g.bk,
         stages=stages,
-        acc_stages=ACC_STAGES,
+        acc_stages=mx_acc_stages(bn, parts) if mx else ACC_STAGES,
         epi_n=g.epi_n,
         epi_stages=g.epi_stages,
         raster=max(1, g.raster_group * (plan.bm // UMMA_M)),
@@ -174,6 +183,34 @@ def _check_tile(plan: Plan, what: str, bn: int, bk: int, stages: int, epi_n: int
         raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
 
 
+MX_SF_COLS = 16   # TMEM columns of one 128-row x 128-K scale tile (4 columns per 32 rows x 4 scales)
+
+
+def mx_acc_stages(bn: int, parts: int) -> int:
+    """Accumulator buffers of an MXFP8 GEMM: two (the epilogue overlaps the next tile's mainloop) where they fit
+    in the 512 TMEM columns beside the scales (A's and one per part), else one (GEMM 1: gate + up of 128 columns
+    each take 512 columns double-buffered)."""
+    return ACC_STAGES if ACC_STAGES * parts * bn + (1 + parts) * MX_SF_COLS <= TMEM_COLUMNS else 1
+
+
+def _check_mx_tile(plan: Plan, what: str, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int,
+                   parts: int) -> None:
+    """The MXFP8 GEMMs' tile limits: one 128-row scale atom of W per part (bn 128), K steps of whole scale atoms
+    (bk a multiple of 128), accumulators and scales in TMEM, the ring with its scale atoms in shared memory
+    (mokgen.plan.tcgen05_mx_smem)."""
+    if bn != 128:
+        raise EmitError(f"{what}.bn: the MXFP8 GEMMs take 128 columns per part (one scale atom of W), got {bn}")
+    if bk % 128:
+        raise EmitError(f"{what}.bk: the MXFP8 GEMMs step K by whole scale atoms (multiples of 128), got {bk}")
+    if mx_acc_stages(bn, parts) * parts * bn + (1 + parts) * MX_SF_COLS > TMEM_COLUMNS:
+        raise EmitError(f"{what}.bn: {parts} accumulators of {bn} columns and the scales exceed {TMEM_COLUMNS} "
+                        f"TMEM columns")
+    smem = tcgen05_mx_smem(parts, bn, bk, stages, epi_n, epi_stages)
+    limit = get_arch(plan.arch).smem_per_cta
+    if stages < 2 or smem > limit:
+        raise EmitError(f"{what}: {stages} MXFP8 stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
+
+
 def fit_stages(plan: Plan, bn: int, bk: int, epi_n: int, epi_stages: int, parts: int = 1,
                most: int | None = None) -> int:
     """The most stages of the sm_100a GEMMs' ring (`parts` W boxes of `bn` rows, `bk` deep) that fit the shared
@@ -192,14 +229,21 @@ def emit_sm100(plan: Plan) -> Sources:
     if plan.arch != "sm_100a":
         raise EmitError(f"plan.arch: emit_sm100 renders sm_100a kernels, got {plan.arch!r}")
     spec = plan.spec
-    if spec.dtype != "bf16":
-        raise EmitError(f"spec.dtype: the sm_100a kernels are BF16 only so far, got {spec.dtype!r}")
+    if spec.dtype not in ("bf16", "mxfp8"):
+        raise EmitError(f"spec.dtype: the sm_100a kernels are BF16 and MXFP8, got {spec.dtype!r}")
+    if spec.dtype == "mxfp8" and plan.backward is not None:
+        raise EmitError("plan.backward: the sm_100a MXFP8 kernels are the forward only (no MXFP8 dgrad / wgrad "
+                        "kernels yet; mokgen.plan.solve(spec, 'sm_100a') gives an MXFP8 plan without a backward)")
     if plan.schedule != "chain" or plan.gemm1.a_load != "tma":
         raise EmitError("plan: an sm_100a plan runs the chain schedule and GEMM 1 on gathered rows (a_load 'tma'; "
                         "mokgen.plan.solve(spec, 'sm_100a') gives that form)")
     render = Renderer(plan)
     render.routing()
-    render.gather()
+    if spec.dtype == "mxfp8":   # x's rows gathered by the quantizer; h quantized between the GEMMs; W1 / W2 once
+        for name in MX_QUANT:
+            render.files[f"{name}.py"] = render_quant_mx(plan, name)
+    else:
+        render.gather()
     render.files["gemm1.py"] = render_grouped_gemm(plan, 1)
     render.files["gemm2.py"] = render_grouped_gemm(plan, 2)
     render.combine()
@@ -274,3 +318,40 @@ def render_wgrad(plan: Plan, which: str, *, accumulate: bool = False, name: str 
              + (", added into the fp32 main_grad" if accumulate else ", bf16"))
     return _environment().get_template(WGRAD_TEMPLATE).render(
         header=_header(plan, WGRAD_TEMPLATE, template_hash()), name=name, spec_name=spec.name, title=title, **params)
+
+
+QUANT_MX_TEMPLATE = "sm100/quant_mx.py.j2"
+MX_QUANT = tuple(kernels.MX_QUANT_KERNELS)   # quant_mx_gather, quant_mx_used, quant_mx_w1, quant_mx_w2
+
+
+def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
+    """The render context of templates/sm100/quant_mx.py.j2 for MXFP8 quantizer `name`: ``quant_mx_gather`` (x's
+    rows gathered by row_src -> GEMM 1's A, K = H), ``quant_mx_used`` (h's used rows -> GEMM 2's A, K = I),
+    ``quant_mx_w1`` (W1 [G, 2I, H] -> concat row order) and ``quant_mx_w2`` (W2 [G, H, I])."""
+    if name not in MX_QUANT:
+        raise EmitError(f"render_quant_mx: unknown kernel {name!r}; the MXFP8 quantizers are {', '.join(MX_QUANT)}")
+    if plan.arch != "sm_100a" or plan.spec.dtype != "mxfp8":
+        raise EmitError(f"plan: the MXFP8 quantizers are rendered for dtype mxfp8 plans on sm_100a, got dtype "
+                        f"{plan.spec.dtype!r} on {plan.arch!r}")
+    spec = plan.spec
+    H, I = spec.hidden, spec.ffn
+    table = kernels.MX_QUANT_KERNELS[name]
+    form = {"quant_mx_gather": "gather", "quant_mx_used": "used"}.get(name, "w")
+    k_dim = {"quant_mx_gather": H, "quant_mx_used": I, "quant_mx_w1": H, "quant_mx_w2": I}[name]
+    if k_dim % 128:
+        raise EmitError(f"render_quant_mx: K = {k_dim} is not a multiple of 128 (spec: mxfp8 needs it)")
+    return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], form=form, k_dim=k_dim, bm=plan.bm,
+                threads=256, groups=spec.groups, n_rows=2 * I if name == "quant_mx_w1" else H,
+                parts=2 if name == "quant_mx_w1" else 1,
+                interleave=name == "quant_mx_w1" and spec.gate_up_layout == "interleaved")
+
+
+def render_quant_mx(plan: Plan, name: str) -> str:
+    """The sm_100a source of the MXFP8 quantizer `name` (see :func:`quant_mx_params`)."""
+    params = quant_mx_params(plan, name)
+    what = {"quant_mx_gather": "x's rows gathered by row_src (GEMM 1's A)", "quant_mx_used": "h's used rows (GEMM 2's A)",
+            "quant_mx_w1": "W1 (concat row order)", "quant_mx_w2": "W2"}[name]
+    title = f"{name} of {plan.spec.name} (sm_100a): MXFP8 quantization of {what}"
+    return _environment().get_template(QUANT_MX_TEMPLATE).render(
+        header=_header(plan, QUANT_MX_TEMPLATE, template_hash()), name=name, spec_name=plan.spec.name, title=title,
+        **params)

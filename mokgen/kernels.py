@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "names", "table_key", "call", "bind"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "MX_QUANT_KERNELS", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
 CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32",
@@ -71,6 +71,20 @@ def _grouped_fp8(row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]
             _t("sa", "fp32", "a_rows", "SCALE_K", doc="[a_rows, K / 128] scale of each 1 x 128 block of a"),
             _t("sb", "fp32", "GROUPS", "SB_ROWS", "SCALE_K", doc="[GROUPS, W rows / 128, K / 128] scale of each "
                "128 x 128 block of w"),
+            out, *extra, _NUM_CTAS)
+
+
+def _grouped_mx(row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]:
+    """An MXFP8 forward GEMM (sm_100a, block-scaled tcgen05 MMA): e4m3 operands (their bytes) and their e8m0
+    scales, one per 32 elements along K, packed in the SF-atom layout (mokgen.fp8.pack_mx_scales)."""
+    return (_t("a", "u8", "a_rows", "K_DIM", doc=a_doc + ", e4m3 bytes"),
+            _t("w", "u8", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="e4m3 weights (bytes), K-major; W1 in concat order "
+               "(gate rows, then up rows: quant_mx_w1 writes it so)"),
+            _BIAS, row, _TILE_GROUP, _META,
+            _t("sfa", "u8", "sfa_bytes", doc="e8m0 codes of a's 1 x 32 blocks, packed over a's rows (a_rows * K / 32 "
+               "bytes)"),
+            _t("sfw", "u8", "GROUPS * PARTS * N_OUT * K_DIM // 32", doc="e8m0 codes of w's 1 x 32 blocks, packed per "
+               "(group, part): N_OUT rows each"),
             out, *extra, _NUM_CTAS)
 
 
@@ -139,6 +153,10 @@ ARGS: dict[str, tuple[Arg, ...]] = {
         a_doc="dO rows gathered by token [rows, H] (quant_rows_gather)"),
     "dgrad2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] dx per slot"),
                                a_doc="dz [rows, 2 FFN] (quant_rows_used)"),
+    "gemm1_mx": _grouped_mx(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                            a_doc="gathered, quantized rows xq [rows, H] (quant_mx_gather)"),
+    "gemm2_mx": _grouped_mx(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
+                            a_doc="quantized h [rows, FFN] (quant_mx_used)"),
     "dgrad1": _grouped(
         _W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
         _Z,
@@ -213,6 +231,30 @@ ARGS.update({
            doc="[K, rows/128] power-of-two scale per 128x1 tile (column, 128-row block)"),
     ),
 })
+# the MXFP8 quantization kernels (dtype mxfp8, sm_100a, templates/sm100/quant_mx.py.j2): e4m3 bits and e8m0 codes
+# per 32 elements along K, the codes packed in the block-scaled MMA's SF atoms (mokgen.fp8.pack_mx_scales)
+_MX_SF = _t("sf", "u8", "sf_bytes", written=True, doc="e8m0 codes, packed over the rows (rows * K / 32 bytes)")
+ARGS.update({
+    "quant_mx_gather": (
+        _t("x", "bf16", "tokens", "K_DIM", doc="[T, H] bf16 token rows"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes token 0)"),
+        _META,
+        _t("q", "u8", "rows", "K_DIM", written=True, doc="[rows, H] e4m3 bits of the gathered rows (the used rows)"),
+        _MX_SF,
+    ),
+    "quant_mx_used": (
+        _t("x", "bf16", "rows", "K_DIM", doc="[rows, K] bf16 rows of the padded row space (h)"),
+        _META,
+        _t("q", "u8", "rows", "K_DIM", written=True, doc="[rows, K] e4m3 bits (the used rows, meta[0] * BM)"),
+        _MX_SF,
+    ),
+    "quant_mx_w": (
+        _t("w", "bf16", "GROUPS", "N_ROWS", "K_DIM", doc="[G, N, K] bf16 weights (W1: the spec's gate / up layout)"),
+        _t("q", "u8", "GROUPS", "N_ROWS", "K_DIM", written=True, doc="[G, N, K] e4m3 bits (W1: concat row order)"),
+        _t("sf", "u8", "GROUPS * N_ROWS * K_DIM // 32", written=True,
+           doc="e8m0 codes packed over the G * N rows (per group, and per gate / up block of W1: whole atoms)"),
+    ),
+})
 ARGS["routing_sync"] = ARGS["routing"] + (
     _t("sync", "int32", "nsync", written=True, doc="[SYNC_DONE1 + max_m_tiles] the fused kernel's counters, zeroed"),
 )
@@ -227,6 +269,7 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
                                   "gemm1_train_fp8", "gemm2_fp8", "dgrad1_fp8", "dgrad2_fp8")},
+    **{k: {**_GROUPED_SYMS, "sfa_bytes": None} for k in ("gemm1_mx", "gemm2_mx")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
     # the scale tensors' block counts (ceil(K / 128), ...) are symbols of their own: the kernels index them and
     # never read their extents (a symbolic size takes no arithmetic in compile())
@@ -236,8 +279,14 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "quant_w": {"groups": None, "n": "16", "k": "16", "nblocks": None, "kblocks": None},
     "quant_wt": {"groups": None, "n": "16", "k": "16", "nblocks": None, "kblocks": None},
     "quant_cols": {"rows": "BLOCK", "cols": "BLOCK"},
+    "quant_mx_gather": {"tokens": None, "rows": "BM", "sf_bytes": None},
+    "quant_mx_used": {"rows": "BM", "sf_bytes": None},
+    "quant_mx_w": {},
 }
 FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols")
+# the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
+MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",
+                    "quant_mx_w2": "quant_mx_w"}
 
 
 def names(kernel: str) -> tuple[str, ...]:

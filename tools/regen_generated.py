@@ -24,12 +24,16 @@ GENERATED = ROOT / "generated"
 ARCH = "sm_90a"
 # other archs' sources go to generated/<arch>/<preset>/, for the presets their plans cover
 OTHER_ARCHS = ("sm_100a",)
+# spec files (not presets) whose sources are golden too, per arch: generated/<arch>/<spec name>/ (MXFP8 is
+# sm_100a-only, so no preset carries it)
+EXTRA_SPECS = {"sm_100a": ("tools/specs/kimi-k2-mxfp8.yaml",)}
 
 
 def expected() -> dict[str, dict[str, str]]:
     """{directory under generated/: {file: text}}: generated/<preset>/ for sm_90a, generated/<arch>/<preset>/ for
-    the other archs (the presets they plan: sm_100a has no FP8 yet)."""
+    the other archs (the presets they plan: sm_100a has no blockwise FP8), and EXTRA_SPECS."""
     from mokgen.plan import PlanError
+    from mokgen.spec import load_spec
 
     out = {spec.name: emit(solve(spec, ARCH)).files for spec in list_presets()}
     for arch in OTHER_ARCHS:
@@ -39,6 +43,10 @@ def expected() -> dict[str, dict[str, str]]:
             except PlanError:
                 continue
             out[f"{arch}/{spec.name}"] = emit(plan).files
+    for arch, paths in EXTRA_SPECS.items():
+        for path in paths:
+            spec = load_spec(ROOT / path)
+            out[f"{arch}/{spec.name}"] = emit(solve(spec, arch)).files
     return out
 
 
