@@ -266,6 +266,11 @@ def _check_backward_plan(plan: Any) -> list[str]:
             out.append(f"{name}.epi_store {g.epi_store!r} not in the space")
         elif g.epi_store == "ring" and (why := P.epi_ring_problem(g, 2 if name == "gemm1" else 1)[0]):
             out.append(f"{name}.epi_store ring: {why}")
+    g1 = plan.gemm1
+    if g1.z_store not in sp_.values("z_store", "gemm1"):
+        out.append(f"gemm1.z_store {g1.z_store!r} not in the space")
+    elif g1.z_store == "ring" and (why := P.z_ring_problem(g1)):
+        out.append(f"gemm1.z_store ring: {why}")
     if d1.z_load not in sp_.values("z_load", "dgrad1"):
         out.append(f"backward.dgrad1.z_load {d1.z_load!r} not in the space")
     elif d1.z_load == "tma" and (why := P.z_stage_problem(d1)):

@@ -17,7 +17,7 @@ import jinja2
 from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation, _environment, _header, _table,
                         _w1_strides, template_hash)
 from .emit_sm100 import emit_sm100 as _emit_sm100
-from .plan import L2_HINTS, Plan, epi_ring_problem, z_stage_problem
+from .plan import L2_HINTS, Plan, epi_ring_problem, z_ring_problem, z_stage_problem
 
 __all__ = ["EXPERIMENTS", "EmitError", "Sources", "TEMPLATE_DIR", "emit", "emit_fp8_quant", "template_hash"]
 
@@ -55,7 +55,7 @@ def _gemm_params(plan: Plan, which: int, save_z: bool = False) -> dict[str, Any]
             plan, g, ("gemm1_train" if save_z else "gemm1") + sfx, bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
             n_stride=n_stride, k_stride=1, p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu",
             save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows",
-            fp8=fp8)
+            fp8=fp8, z_ring=save_z and _z_ring(g))
     return _grouped_params(
         plan, g, "gemm2" + sfx, bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
         g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias), fp8=fp8)
@@ -87,6 +87,15 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
                            p_stride=2 * I * H, g_stride=2 * I * H, b_mn=True, epilogue="store")
 
 
+def _z_ring(g: Any) -> bool:
+    """GEMM 1's z (training) through the stage ring (plan z_store "ring"), checked against the tile it needs."""
+    if g.z_store != "ring":
+        return False
+    if (why := z_ring_problem(g)) is not None:
+        raise EmitError(f"plan.gemm1.z_store: ring {why}")
+    return True
+
+
 def _z_tma(g: Any) -> bool:
     """dgrad1's z through the stage ring (plan z_load "tma"), checked against the tile it needs."""
     if g.z_load != "tma":
@@ -99,7 +108,7 @@ def _z_tma(g: Any) -> bool:
 def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_dim: int, parts: int,
                     n_stride: int, k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str,
                     save_z: bool = False, has_bias: bool = False, a_gather: bool = False,
-                    a_rows: bool = False, fp8: bool = False, z_tma: bool = False) -> dict[str, Any]:
+                    a_rows: bool = False, fp8: bool = False, z_tma: bool = False, z_ring: bool = False) -> dict[str, Any]:
     """The render context of templates/sm90/grouped_gemm.py.j2 for kernel `kernel` of GEMM plan `g`: the
     problem's strides from the spec, every tile and pipeline choice from the plan."""
     spec = plan.spec
@@ -153,6 +162,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         mma_split=g.mma_split if fp8 else 1,
         z_chunk=g.z_chunk,
         z_tma=z_tma,
+        z_ring=z_ring,
         **dict(zip(("epi_ring", "epi_w"), _epi_ring(g, parts, what))),
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],

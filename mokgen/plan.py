@@ -238,6 +238,9 @@ class GemmPlan:
     promote: str = "serial"  # FP8: "serial", "stagger" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
     # dgrad1's z: "tma" = through the stage ring (z_stage_problem), "direct" = global loads by the consumer threads
     z_load: str = "direct"
+    # GEMM 1 of a training step (gemm1_train) stores z: "ring" = through the stage ring beside its output, TMA-stored
+    # by the storer warp (z_ring_problem), "direct" = 4-byte global stores by the consumer threads
+    z_store: str = "direct"
     # the bf16 output: "ring" = through the stage ring, TMA-stored by a storer warp (epi_ring_problem); "smem" =
     # through the epi_stages buffers of epi_n columns, TMA-stored by the first consumer warp
     epi_store: str = "smem"
@@ -664,6 +667,38 @@ def z_stage_problem(g: GemmPlan) -> str | None:
     return None
 
 
+def z_ring_problem(g: GemmPlan) -> str | None:
+    """Why GEMM 1 plan `g` cannot store a training step's z through the stage ring (z_store "ring"), or None.
+    The tile's z (bn / 2 gate and bn / 2 up columns) goes in z stages laid out as dgrad1's (z_stage_problem:
+    a (128, ZQ) gate box and an up box per W stage), handed to the consumers after the tile's K stages together
+    with its output's epilogue stages and TMA-stored by the same storer warp: so the output must go through the
+    ring too (epi_store "ring"). BF16 operands only (the FP8 GEMM 1 keeps the direct stores)."""
+    if g.epi_store != "ring":
+        return f"needs the output through the ring too (epi_store ring), got epi_store {g.epi_store}"
+    if g.elem_bytes != ELEM_BYTES:
+        return "is BF16 GEMM 1's only (the FP8 GEMM 1 stores z directly)"
+    if (why := z_stage_problem(g)) is not None:
+        return why
+    zq = g.bn * g.bk * g.elem_bytes // (2 * g.tile_m * 2)
+    if (g.bn // 2) % zq:
+        return f"z stages of {zq} columns do not divide the tile's {g.bn // 2} columns per part"
+    return None
+
+
+def _settle_z_store(plan: Plan, mode: Any) -> Plan:
+    """GEMM 1's z path in training (``gemm1_z_store`` override, checked), else "direct" (the ring form is not yet
+    measured against it on the H200: opt-in)."""
+    if mode is None:
+        return plan
+    legal = _SPACE.values("z_store", "gemm1")
+    if mode not in legal:
+        raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
+    if mode == "ring" and (why := z_ring_problem(plan.gemm1)) is not None:
+        raise PlanError(f"plan.gemm1_z_store: ring {why}")
+    return dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, z_store=mode),
+                               notes=plan.notes + (f"overrides: gemm1_z_store={mode}",))
+
+
 def _with_z_load(g: GemmPlan) -> GemmPlan:
     """dgrad1's default z path: through the stage ring where it fits (measured faster: bench/NOTES.md v12)."""
     return dataclasses.replace(g, z_load="tma" if z_stage_problem(g) is None else "direct")
@@ -768,8 +803,9 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if get_arch(arch).has_tcgen05:   # sm_100a: its kernels' form
         return _tcgen05_form(spec, arch, overrides)
     streams = overrides.get("bwd_streams")
-    rest = {k: v for k, v in overrides.items() if k not in epi and k != "bwd_streams"}
+    rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store")}
     plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi)
+    plan = _settle_z_store(plan, overrides.get("gemm1_z_store"))
     return _settle_streams(plan, streams)
 
 
@@ -792,7 +828,7 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
                             f"got {value!r}")
         if key.startswith(("dgrad", "wgrad")):
             raise PlanError(f"plan.{key}: the {arch} backward GEMMs take the default tiles only so far")
-        if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint"):
+        if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint") or key.endswith("z_store"):
             raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
     if spec.dtype not in ("bf16", "mxfp8"):
         raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "

@@ -111,6 +111,9 @@ SM90 = ArchSpace(
         Knob("z_load", ("dgrad1",), ("tma", "direct"), search=("tma", "direct"),
              doc="dgrad1's z: through the stage ring by TMA (dz stored from there) or global loads by the consumer "
                  "threads; derived: tma where a W stage holds a whole z stage (cooperative 128-row tiles)"),
+        Knob("z_store", ("gemm1",), ("ring", "direct"), search=("ring", "direct"),
+             doc="GEMM 1 of a training step: z through the stage ring beside the output (TMA-stored by the storer "
+                 "warp; needs epi_store ring) or 4-byte global stores by the consumer threads"),
         Knob("bn", _BWD, _BN, search=_BN,
              doc="backward GEMMs' tile N; derived: the widest dividing N that fits (dgrad1: must divide ffn, and "
                  "its z chunk follows as min(16, bn/4))"),

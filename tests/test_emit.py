@@ -14,6 +14,8 @@ from mokgen.emit import EmitError, emit, template_hash
 from mokgen.plan import solve
 from mokgen.spec import list_presets, load_spec
 
+REPO = Path(__file__).resolve().parents[1]
+
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = [s.name for s in list_presets()]
 
@@ -242,3 +244,45 @@ def test_pingpong_compiles(tmp_path):
             assert frag in ptx, (k, frag)
         assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx), k  # a warpgroup's own epilogue barrier
     assert "cp.async.cg.shared.global" in (Path(art.dir) / "gemm1.ptx").read_text()
+
+
+def test_gemm1_z_store_ring_plan_and_render():
+    """GEMM 1's z path in training (plan gemm1.z_store): "direct" by default; "ring" only with the output
+    through the ring too (TMA-loaded rows), BF16 and a tile whose W stage holds whole z stages; one-line errors."""
+    from mokgen import configs
+    from mokgen.plan import PlanError, z_ring_problem
+
+    spec = load_spec("kimi-k2")
+    assert solve(spec, "sm_90a").gemm1.z_store == "direct"
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: ring needs the output through the ring too"):
+        solve(spec, "sm_90a", gemm1_z_store="ring")   # the fused cp.async gather keeps the smem epilogue
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: must be one of ring, direct, got 'tma'$"):
+        solve(spec, "sm_90a", gemm1_a_load="tma", gemm1_z_store="tma")
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: ring a W stage of 24576 bytes"):
+        solve(load_spec(str(REPO / "tools/specs/dbrx-like.yaml")), "sm_90a", gemm1_a_load="tma", gemm1_bn=192,
+              gemm1_z_store="ring")   # ffn 10752: 96 + 96 columns divide, but no whole z stage fits
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: an sm_90a kernel option"):
+        solve(spec, "sm_100a", gemm1_z_store="ring")
+    plan = solve(spec, "sm_90a", gemm1_a_load="tma", gemm1_z_store="ring")
+    assert plan.gemm1.z_store == "ring" and z_ring_problem(plan.gemm1) is None and configs.check_plan(plan) == []
+    files = emit(plan).files
+    assert "Z_RING = True" in files["gemm1_train.py"] and "Z_RING = False" in files["gemm1.py"]
+    assert "Z_RING = False" in emit(solve(spec, "sm_90a", gemm1_a_load="tma")).files["gemm1_train.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kimi-k2", "tools/specs/hf-h256-i128-e8-k2-oai.yaml"])
+def test_gemm1_z_ring_compiles(name, tmp_path):
+    """gemm1_train with z through the stage ring (concat gate/up; interleaved pairs with biases): no global store
+    by the consumer threads, z and the output leave by TMA stores; ptxas keeps the wgmma pipelined."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    spec = load_spec(str(REPO / name) if name.endswith(".yaml") else name)
+    src = emit(solve(spec, "sm_90a", gemm1_a_load="tma", gemm1_z_store="ring"))
+    art = build.build({"gemm1_train.py": src.files["gemm1_train.py"]}, "sm_90a", tmp_path, progress=False)
+    ptx = (Path(art.dir) / "gemm1_train.ptx").read_text()
+    assert "st.global" not in ptx
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
+    assert len(stores) >= 3, stores   # unrolled: z's gate / up (or pair) boxes of each z stage, the output's boxes
+    assert build.ptxas_advisories(ptx, "sm_90a") in ([], None)

@@ -303,6 +303,32 @@ def test_dgrad1_z_paths_same_bits(case):
     moe2.check_errors()
 
 
+def test_gemm1_z_store_paths_same_bits(case):
+    """GEMM 1's two z paths in training, through the stage ring (z_store "ring": z written into ring stages beside
+    the output and TMA-stored by the storer warp) and 4-byte global stores by the consumer threads ("direct"),
+    both on TMA-loaded rows with the output through the ring: the same y and every gradient bit for bit (the
+    backward reads z, so a wrong or missing z element changes the gradients), on random and skewed routing."""
+    from mokgen.plan import PlanError
+
+    spec, moe, inp, dy, _, _ = case
+    base = {**OVERRIDES, "gemm1_a_load": "tma"}
+    try:
+        ring = mokgen.compile(spec, overrides={**base, "gemm1_z_store": "ring"})
+    except PlanError as e:
+        pytest.skip(f"{spec.name}: no z ring ({e})")
+    direct = mokgen.compile(spec, overrides={**base, "gemm1_z_store": "direct"})
+    assert (ring.plan.gemm1.z_store, direct.plan.gemm1.z_store) == ("ring", "direct")
+    for c in (inp, with_routing(spec, inp, "skewed", seed=5)):
+        y1, g1 = train_call(direct, c, dy)
+        y2, g2 = train_call(ring, c, dy)
+        sync()
+        assert same_bits(y1, y2), f"{spec.name}: y bits differ between the z paths"
+        for name in NAMES:
+            assert same_bits(getattr(g1, name), getattr(g2, name)), \
+                f"{spec.name}: d{name} bits differ between gemm1 z_store direct and ring"
+    ring.check_errors()
+
+
 def test_backward_streams_same_bits(case):
     """The backward on one stream and on two (plan.backward.streams: the weight gradients on a side stream beside
     dgrad2 and the combine) launches the same kernels on the same data: y, every gradient and the fp32 main_grad
