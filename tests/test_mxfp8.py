@@ -1,12 +1,18 @@
 """MXFP8 for sm_100a (issue 20) on the CPU: the scale-factor layout the block-scaled tcgen05 MMA reads
 (mokgen.fp8.pack_mx_scales / unpack_mx_scales / mx_sf_offset) against the CuTe DSL's own layout and a float64
-emulation of the block-scaled GEMM that reads operand bytes and packed scales by address."""
+emulation of the block-scaled GEMM that reads operand bytes and packed scales by address; the dtype mxfp8 spec and
+plan; the MXFP8 forward kernels (rendered, the quantizers' arithmetic emulated in torch against mokgen.fp8 bit for
+bit, compiled for sm_100a with the block-scaled tcgen05 instructions in their PTX). Nothing here runs on a GPU."""
 from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from mokgen import fp8
+from mokgen import fp8, kernels
 
 
 def _codes(*shape, seed=0):
@@ -178,8 +184,6 @@ def test_plan_mxfp8_refusals():
 
 
 def test_kimi_k2_mxfp8_spec_file():
-    from pathlib import Path
-
     from mokgen.plan import solve
     from mokgen.spec import load_spec
 
@@ -189,3 +193,263 @@ def test_kimi_k2_mxfp8_spec_file():
     assert {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype", "archs")} == \
         {k: v for k, v in kimi.to_dict().items() if k not in ("name", "dtype", "archs")}
     assert solve(spec, "sm_100a").gemm1.elem_bytes == 1
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the MXFP8 kernels: rendered for dtype mxfp8 plans, signatures from the argument table, the quantizers' math on
+# the CPU against mokgen.fp8, compiled for sm_100a with the block-scaled tcgen05 instructions in the PTX
+
+MX_KERNELS = ("combine", "gemm1", "gemm2", "quant_mx_gather", "quant_mx_used", "quant_mx_w1", "quant_mx_w2", "routing")
+TABLES = {"gemm1": "gemm1_mx", "gemm2": "gemm2_mx", **kernels.MX_QUANT_KERNELS}
+
+
+def _mx_plan(**changes):
+    from mokgen.plan import solve
+    from mokgen.spec import load_spec
+
+    return solve(load_spec({**MX, **changes}), "sm_100a")
+
+
+def _fn_args(src: str, name: str) -> list[str]:
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return [a.arg for a in fn.args.args]
+
+
+@pytest.mark.parametrize("changes", [{}, {"gate_up_layout": "interleaved", "bias": True}])
+def test_emit_mxfp8_forward(changes):
+    from mokgen.emit import emit
+
+    src = emit(_mx_plan(**changes))
+    assert src.kernels == sorted(MX_KERNELS)   # no gather (the quantizer gathers), no training kernels
+    for k, table in TABLES.items():
+        text = src.files[f"{k}.py"]
+        assert f'KERNEL_NAME = "{k}"' in text
+        assert _fn_args(text, "launch") == list(kernels.names(table)) + ["stream"], k
+        for a in kernels.ARGS[table]:
+            assert a.fake in text, (k, a.name)
+        for sym, div in kernels.SYMBOLS[table].items():
+            assert f"{sym} = cute.sym_int32({'divisibility=' + div if div else ''})" in text
+    g1, g2 = src.files["gemm1.py"], src.files["gemm2.py"]
+    assert "MX = True" in g1 and "MX = True" in g2 and "make_blockscaled_trivial_tiled_mma" in g1
+    # GEMM 1 reads W1 in quant_mx_w1's concat order whatever the spec's layout; the bias keeps the spec's strides
+    assert "N_STRIDE = 1024" in g1 and "P_STRIDE = 524288" in g1
+    inter = changes.get("gate_up_layout") == "interleaved"
+    assert ("Z_N = 2" in g1) == inter and ("INTERLEAVE = True" in src.files["quant_mx_w1.py"]) == inter
+    assert "INTERLEAVE = False" in src.files["quant_mx_w2.py"]
+    assert ("HAS_BIAS = True" in g1) == bool(changes.get("bias"))
+
+
+def test_bf16_kernels_keep_their_form():
+    from mokgen.emit import emit
+    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.emit_base import EmitError
+    from mokgen.plan import solve
+    from mokgen.spec import load_spec
+
+    plan = solve(load_spec({k: v for k, v in MX.items() if k not in ("dtype", "archs")}), "sm_100a")
+    src = emit(plan)
+    assert "MX = False" in src.files["gemm1.py"] and "blockscaled" not in src.files["gemm1.py"]
+    assert not any(k.startswith("quant_") for k in src.kernels) and "gather" in src.kernels
+    with pytest.raises(EmitError, match="MXFP8 quantizers are rendered for dtype mxfp8 plans"):
+        render_quant_mx(plan, "quant_mx_w1")
+    with pytest.raises(EmitError, match="unknown kernel 'quant_mx_x'"):
+        render_quant_mx(_mx_plan(), "quant_mx_x")
+
+
+# ---- the quantizers' arithmetic, emulated in torch with the kernel's formulas
+
+
+def kernel_e8m0(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """templates/sm100/quant_mx.py.j2's e8m0_code on int32 bits: c = max(E - 8, 0) (E: amax's biased exponent),
+    127 for a zero amax; inv = the fp32 with biased exponent 254 - c."""
+    c = torch.clamp_min((amax.to(torch.float32).view(torch.int32) >> 23) - 8, 0)
+    c = torch.where(amax == 0, torch.full_like(c, 127), c)
+    return c, ((254 - c) << 23).view(torch.float32)
+
+
+def _template_expr(text: str, start: str) -> str:
+    """The Python expression assigned by the line that starts with `start` (continued over parentheses)."""
+    i = text.index(start) + len(start)
+    depth, j = 0, i
+    while True:
+        ch = text[j]
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "\n" and depth == 0:
+            return " ".join(text[i:j].split())
+        j += 1
+
+
+def kernel_offsets(text: str, rows: torch.Tensor, kb: torch.Tensor, k_blocks: int) -> torch.Tensor:
+    """The scale-byte offsets the rendered quantizer computes (its `off = ...` expression, evaluated on tensors)."""
+    expr = _template_expr(text, "off = ")
+    return eval(expr, {"row": rows, "kb": kb, "K_BLOCKS": k_blocks, "SF_ROWS": 128, "SF_ATOM": 512})
+
+
+def emulate_quantizer(text: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's math on the CPU for rows x [R, K] bf16: per 32-block amax, its code and inverse, q = e4m3(x *
+    inv) (to_e4m3: nearest even, saturating as cvt.rn.satfinite), the code bytes at the kernel's offsets."""
+    R, K = x.shape
+    xf = x.float().view(R, K // 32, 32)
+    c, inv = kernel_e8m0(xf.abs().amax(-1))
+    q = fp8.to_e4m3(xf * inv.unsqueeze(-1)).view(R, K).view(torch.uint8)
+    sf = torch.full((fp8.mx_sf_bytes(R, K // 32),), 255, dtype=torch.uint8)   # 255: never written
+    sf[kernel_offsets(text, torch.arange(R).view(-1, 1), torch.arange(K // 32).view(1, -1), K // 32)] = c.to(torch.uint8)
+    return q, sf
+
+
+def boundary_rows(K: int) -> torch.Tensor:
+    """bf16 rows whose 32-blocks have amax on every binade edge (1.75 * 2**k, 2**k and their bf16 neighbours,
+    subnormals, zero blocks, bf16's largest), values that round at e4m3's half-way points and saturate."""
+    k = torch.arange(-133, 128, dtype=torch.float64)
+    amax = torch.cat([torch.exp2(k), 1.75 * torch.exp2(k), 1.8125 * torch.exp2(k), 1.9921875 * torch.exp2(k)])
+    amax = amax[torch.isfinite(amax.to(torch.bfloat16).float())].to(torch.bfloat16)
+    amax = torch.cat([amax, torch.tensor([0.0, 3.3895e38, 9.2e-41], dtype=torch.bfloat16)])
+    nb = K // 32
+    rows = -(-amax.numel() // nb)
+    g = torch.Generator().manual_seed(3)
+    base = torch.rand(rows * nb, 32, generator=g) * 2 - 1
+    a = torch.cat([amax, amax[: rows * nb - amax.numel()]]).float()
+    blocks = base * a.view(-1, 1)
+    blocks[:, 0] = a
+    blocks[1::7, 1] = a[1::7] * (1 + 1 / 16 + 1 / 32)   # near the top of the binade: e4m3 rounding / saturation
+    return blocks.view(rows, K).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("K", [128, 512])
+def test_quantizer_math_equals_quantize_mx(K):
+    from mokgen.emit_sm100 import render_quant_mx
+
+    text = render_quant_mx(_mx_plan(), "quant_mx_used")
+    x = boundary_rows(K)
+    x = torch.cat([x, torch.randn(-x.shape[0] % 128 + 256, K).to(torch.bfloat16)])   # whole atoms (rows % 128 == 0)
+    q, sf = emulate_quantizer(text, x)
+    qr, er = fp8.quantize_mx(x)
+    assert torch.equal(q, qr.view(torch.uint8))
+    assert torch.equal(sf, fp8.pack_mx_scales(er))            # every byte written, at pack_mx_scales' places
+    assert {0, 127}.issubset(set(er.flatten().tolist()))       # the clamp and the zero block were exercised
+    # the kernel's offset expression is mokgen.fp8.mx_sf_offset
+    r, kb = torch.arange(1000).view(-1, 1), torch.arange(64).view(1, -1)
+    assert torch.equal(kernel_offsets(text, r, kb, 64), fp8.mx_sf_offset(r, kb, 64))
+
+
+def test_quantizer_math_can_fail():
+    """The emulation is sensitive: a code one too small (the spec's rounding of the exponent) differs."""
+    x = boundary_rows(128)
+    xf = x.float().view(x.shape[0], 4, 32)
+    c, _ = kernel_e8m0(xf.abs().amax(-1))
+    _, er = fp8.quantize_mx(x)
+    assert torch.equal(c.to(torch.uint8), er.view(-1, 4))
+    assert not torch.equal(torch.clamp_min(c - 1, 0).to(torch.uint8), er.view(-1, 4))
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_w1_quantizer_writes_concat_order(layout):
+    """quant_mx_w1's row map (its index lines, run on Python ints) puts W1's row (n, p) at output row p * I + n of
+    each group; the emulated quantizer on those rows equals quantize_mx of W1 in concat order, packed per
+    (group, part) as GEMM 1's scale view (batch g * 2 + p of I rows) reads it."""
+    from mokgen.emit_sm100 import render_quant_mx
+
+    plan = _mx_plan(gate_up_layout=layout, hidden=256, ffn=256)
+    text = render_quant_mx(plan, "quant_mx_w1")
+    G, I, H = plan.spec.groups, 256, 256
+    body = text[text.index("    n_rows = GROUPS * N_ROWS"):text.index("    v = cute.local_tile")]
+    lines = "\n".join(line[4:] for line in body.splitlines()[1:])
+    src_of = []
+    for row in range(G * 2 * I):
+        ns = {"row": row, "N_ROWS": 2 * I, "n_rows": G * 2 * I, "cutlass": type("C", (), {"min": staticmethod(min)})}
+        exec(lines, ns)
+        src_of.append(ns["src"])
+    w = torch.randn(G, 2 * I, H).to(torch.bfloat16)
+    if layout == "interleaved":
+        concat = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
+    else:
+        concat = w
+    assert torch.equal(w.reshape(G * 2 * I, H)[torch.tensor(src_of)], concat.reshape(G * 2 * I, H))
+    q, sf = emulate_quantizer(text, w.reshape(G * 2 * I, H)[torch.tensor(src_of)])
+    qr, er = fp8.quantize_mx(concat)
+    assert torch.equal(q.view(G, 2 * I, H), qr.view(torch.uint8))
+    assert torch.equal(sf, fp8.pack_mx_scales(er.reshape(G * 2, I, H // 32)).flatten())
+
+
+# ---- compiled for sm_100a
+
+
+def _desc_base(ptx: str) -> int:
+    """The first block-scaled MMA's instruction descriptor with the tiled MMA's runtime negate fields off: the
+    constant of the selp pair (differing in bit 13, negate A) the descriptor is or-ed from."""
+    pairs = {(int(a), int(b)) for a, b in re.findall(r"selp\.b32\s+%r\d+, (\d+), (\d+), %p\d+;", ptx)}
+    bases = {b for a, b in pairs if a - b == 1 << 13}
+    assert len(bases) == 1, pairs
+    return bases.pop()
+
+
+@pytest.fixture(scope="module")
+def mx_built(tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from mokgen import build
+    from mokgen.emit import emit
+
+    plan = _mx_plan(gate_up_layout="interleaved", bias=True)
+    return plan, build.build(emit(plan), "sm_100a", tmp_path_factory.mktemp("mx"), jobs=2, progress=False)
+
+
+@pytest.mark.slow
+def test_mxfp8_kernels_compile_for_sm100a(mx_built):
+    from mokgen import build
+
+    plan, art = mx_built
+    assert art.kernels == MX_KERNELS
+    report = build.ptx_report(art)
+    for k in ("gemm1", "gemm2"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        assert report[k]["target"] and report[k]["tcgen05"] and report[k]["cp.async.bulk.tensor"], (k, report[k])
+        parts = 2 if k == "gemm1" else 1
+        g = getattr(plan, k)
+        mma = re.findall(r"tcgen05\.mma\.\S+", ptx)
+        assert mma and set(mma) == {"tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32.collector::a::discard"}
+        cps = re.findall(r"tcgen05\.cp\.\S+", ptx)
+        assert cps and set(cps) == {"tcgen05.cp.cta_group::1.32x128b.warpx4"}   # 128 rows x 16 B: one scale atom
+        # per K stage: BK / 32 MMAs per part, and one scale copy for A and one per part
+        assert len(mma) * (1 + parts) == len(cps) * parts * (g.bk // 32), (len(mma), len(cps))
+        for op in ("tcgen05.alloc.cta_group::1", "tcgen05.dealloc.cta_group::1", "tcgen05.ld.sync.aligned.32x32b",
+                   "tcgen05.commit.cta_group::1", "tcgen05.wait::ld", "mbarrier.try_wait"):
+            assert op in ptx, (k, op)
+        assert "wgmma" not in ptx and "kind::f16" not in ptx
+        # TMA: per K stage A (2d), W (3d for GEMM 2; GEMM 1's (N, K, part, group) 4d) and the scale atoms of A
+        # (3d) and W (4d), one per part; the output by 2d TMA stores
+        loads = {d: len(re.findall(rf"cp\.async\.bulk\.tensor\.{d}d\.shared::cta\.global", ptx)) for d in (2, 3, 4)}
+        assert loads[2] > 0 and (loads[2], loads[3], loads[4]) == (
+            (loads[2], loads[2], 4 * loads[2]) if parts == 2 else (loads[2], 2 * loads[2], loads[2])), loads
+        assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+        # the instruction descriptor (PTX ISA, kind::mxf8f6f4): A / B e4m3 (bits 7-12 zero), both K-major (bits
+        # 15, 16 clear), N >> 3 in bits 17-22, e8m0 scales (bit 23), M = 128 (bits 24-28: 128 >> 4)
+        d = _desc_base(ptx)
+        assert (d >> 7) & 0x3F == 0 and not d & (3 << 15), hex(d)
+        assert (d >> 17) & 0x3F == (g.bn // parts) >> 3 and d >> 23 & 1 and (d >> 24) & 0x1F == 128 >> 4, hex(d)
+    for k in kernels.MX_QUANT_KERNELS:
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        assert re.search(r"^\.target\s+sm_100a\b", ptx, re.M)
+        # 16 elements a lane: 8 cvt (2 a cvt), two 16-byte loads, one 16-byte store of e4m3 and one byte of code
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 8, k
+        assert ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 1, k
+        assert ptx.count("st.global.b8") == 1 and "shfl.sync.bfly" in ptx, k
+        assert ".ftz" not in ptx and "div." not in ptx and "rcp." not in ptx, k
+
+
+@pytest.mark.slow
+def test_mokgen_compile_mxfp8_spec(tmp_path, monkeypatch, capsys):
+    """`mokgen compile tools/specs/kimi-k2-mxfp8.yaml --arch sm_100a` builds the eight forward kernels and reports
+    tcgen05 in both GEMMs."""
+    pytest.importorskip("cutlass")
+    from mokgen import cli
+
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path))
+    spec = Path(__file__).resolve().parent.parent / "tools" / "specs" / "kimi-k2-mxfp8.yaml"
+    assert cli.main(["compile", str(spec), "--arch", "sm_100a", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "kimi-k2-mxfp8 sm_100a: 8 kernel(s)" in out
+    for k in MX_KERNELS:
+        assert re.search(rf"^{k}\s", out, re.M), k
+    for k in ("gemm1", "gemm2"):
+        assert re.search(rf"^{k}\s+-\s+yes\s+yes\s+yes\s+yes", out, re.M), out
