@@ -672,11 +672,9 @@ def z_ring_problem(g: GemmPlan) -> str | None:
     The tile's z (bn / 2 gate and bn / 2 up columns) goes in z stages laid out as dgrad1's (z_stage_problem:
     a (128, ZQ) gate box and an up box per W stage), handed to the consumers after the tile's K stages together
     with its output's epilogue stages and TMA-stored by the same storer warp: so the output must go through the
-    ring too (epi_store "ring"). BF16 operands only (the FP8 GEMM 1 keeps the direct stores)."""
+    ring too (epi_store "ring"). FP8's W stage (e4m3, 128 deep) has the bytes of BF16's (64 deep): same z stages."""
     if g.epi_store != "ring":
         return f"needs the output through the ring too (epi_store ring), got epi_store {g.epi_store}"
-    if g.elem_bytes != ELEM_BYTES:
-        return "is BF16 GEMM 1's only (the FP8 GEMM 1 stores z directly)"
     if (why := z_stage_problem(g)) is not None:
         return why
     zq = g.bn * g.bk * g.elem_bytes // (2 * g.tile_m * 2)

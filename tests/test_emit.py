@@ -271,7 +271,7 @@ def test_gemm1_z_store_ring_plan_and_render():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kimi-k2", "tools/specs/hf-h256-i128-e8-k2-oai.yaml"])
+@pytest.mark.parametrize("name", ["kimi-k2", "tools/specs/hf-h256-i128-e8-k2-oai.yaml", "kimi-k2-fp8"])
 def test_gemm1_z_ring_compiles(name, tmp_path):
     """gemm1_train with z through the stage ring (concat gate/up; interleaved pairs with biases): no global store
     by the consumer threads, z and the output leave by TMA stores; ptxas keeps the wgmma pipelined."""
