@@ -1252,7 +1252,7 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
     ``<kernel>_bn`` (rebuilds the GEMM's plan by the default rules for that tile N: stages, raster, dgrad1's z
     chunk = min(Z_CHUNK, bn / 4)), ``dgrad*_consumer`` (stages refit), ``wgrad*_epi_n`` / ``wgrad*_epi_stages``
     (stages refit to what fits beside the epilogue buffers), ``<kernel>_stages`` (within what fits),
-    ``dgrad1_z_chunk``, ``wgrad*_raster_group``."""
+    ``dgrad1_z_chunk``, ``<kernel>_raster_group``."""
     bwd = {n: getattr(plan.backward, n) for n in BACKWARD_GEMMS}
     changed = False
     for name in BACKWARD_GEMMS:
@@ -1308,7 +1308,7 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
         bwd["dgrad1"], changed = dataclasses.replace(g, z_chunk=zc), True
     if "dgrad1_z_load" in overrides:
         bwd["dgrad1"], changed = _z_load_override(bwd["dgrad1"], overrides["dgrad1_z_load"]), True
-    for name in ("wgrad1", "wgrad2"):
+    for name in BACKWARD_GEMMS:
         key = f"{name}_raster_group"
         if key in overrides:
             r, most = _int_override(key, overrides[key]), max(_SPACE.values("raster_group", name))

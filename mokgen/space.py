@@ -121,6 +121,9 @@ SM90 = ArchSpace(
              doc="backward GEMMs' pipeline stages; derived: as many as fit the shared memory (capped)"),
         Knob("raster_group", _WGRAD, tuple(range(1, _RASTER_MAX + 1)), search=(2, 4, 16),
              doc="wgrad: output M tiles per raster panel (derived: 8)"),
+        Knob("raster_group", ("dgrad1", "dgrad2"), tuple(range(1, _RASTER_MAX + 1)), search=(1, 4, 16),
+             doc="dgrads: routing tiles per raster panel (derived as the forward GEMMs': the A panel fits the L2, "
+                 "so 1-2 where K is very long, e.g. dgrad2 with a 64k-wide dz)"),
         Knob("epi_n", ("plan",), (32, 64), search=None,
              doc="columns per epilogue slice of the forward GEMMs (smem staging before the TMA store); 64 and 32 "
                  "measured within 1%"),
@@ -189,7 +192,8 @@ FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm2_bn", "cluster")
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
 # composed afterwards and the composition is timed too).
 BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1_z_chunk", "dgrad1_stages",
-                        "dgrad1_epi_store", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages", "dgrad2_epi_store",
+                        "dgrad1_epi_store", "dgrad1_raster_group", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
+                        "dgrad2_epi_store", "dgrad2_raster_group",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
                         "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams")

@@ -133,7 +133,8 @@ def test_fp8_tune_space(name):
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
-                                                 "bwd_streams", "dgrad2_bn")) for c in bwd)
+                                                 "bwd_streams", "dgrad2_bn", "dgrad1_raster_group",
+                                                 "dgrad2_raster_group")) for c in bwd)
     assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
     assert {"dgrad2_bn": 256} in bwd
     for cfg in fwd + bwd:
