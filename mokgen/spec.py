@@ -28,7 +28,7 @@ DTYPES = ("bf16", "fp8", "mxfp8")
 # Hopper; mxfp8 (e4m3 with one e8m0 scale per 32 elements along K) is Blackwell's block-scaled MMA format
 # (tcgen05.mma kind::mxf8f6f4.block_scale), sm_100a only: its specs name archs: [sm_100a]
 RESERVED_DTYPES: tuple[str, ...] = ()
-MXFP8_ARCHS = ("sm_100a",)
+MXFP8_ARCHS = tuple(a.name for a in ARCHS.values() if a.has_tcgen05)   # the block-scaled tcgen05 MMA
 # the block-scaled GEMMs' K tile is 128 (one 512-byte scale-factor atom: 4 scales of 32 along K for 128 rows,
 # mokgen.fp8.pack_mx_scales) and their weights' scale atoms cover 128 rows of N: hidden and ffn (each a K of one
 # forward GEMM and an N of the other) must be multiples of 128
