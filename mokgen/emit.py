@@ -262,6 +262,8 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     render("sm90/grouped_gemm.py.j2", "gemm2",
            f"GEMM 2 of {spec.name}: h x W2, routing weight in the epilogue -> ys", **_gemm_params(plan, 2))
     render.combine()
+    if spec.ep > 1 and spec.dtype == "bf16":   # expert parallelism's kernels (issue 22): routing, pull, push
+        render.ep()
     if training:
         render("sm90/grouped_gemm.py.j2", "gemm1_train",
                f"GEMM 1 of {spec.name} for training: as gemm1, and saves the pre-activation z for the backward",

@@ -145,5 +145,18 @@ class Renderer:
         self("sm90/combine.py.j2", "combine", "combine", hidden=spec.hidden, slots=spec.topk + spec.shared_experts,
              threads=128, **_table("combine"))
 
+    def ep(self) -> None:
+        """The expert-parallel kernels of a spec with ``ep > 1`` (issue 22, mokgen/ep_ops.py): routing of the
+        destination's row space, the pull dispatch, the push combine (the GEMMs and the owner's combine are the
+        single-GPU ones)."""
+        spec, bm = self.plan.spec, self.plan.bm
+        common = dict(ranks=spec.ep, topk=spec.topk, bm=bm)
+        self("sm90/ep_routing.py.j2", "ep_routing", "ep_routing", local=spec.local_experts,
+             shared=spec.shared_experts, **common, **_table("ep_routing"))
+        self("sm90/ep_dispatch.py.j2", "ep_dispatch", "ep_dispatch", hidden=spec.hidden, threads=256, **common,
+             **_table("ep_dispatch"))
+        self("sm90/ep_push.py.j2", "ep_push", "ep_push", hidden=spec.hidden, threads=256, **common,
+             **_table("ep_push"))
+
     def sources(self) -> Sources:
         return Sources(spec=self.plan.spec, plan=self.plan, template_hash=self.thash, files=self.files)

@@ -255,6 +255,43 @@ ARGS.update({
            doc="e8m0 codes packed over the G * N rows (per group, and per gate / up block of W1: whole atoms)"),
     ),
 })
+# expert parallelism (issue 22, mokgen/ep_ops.py; templates/sm90/ep_*.py.j2): the kernels of one rank of the
+# pull-dispatch / push-combine protocol. Peer buffers are passed as int64 base addresses ([RANKS] device tensors:
+# what torch's symmetric memory hands out as buffer_ptrs_dev, or the simulation's own tensors' data_ptr()), rows
+# contiguous. The destination's row space is the single-GPU layer's (groups 0..LOCAL-1 its routed experts, rows
+# source rank by source rank in (t, k) order; groups LOCAL.. the shared experts over its own tokens).
+CUTE_TYPES["i64"] = "cutlass.Int64"
+_ROW_RANK = _t("row_rank", "int32", "rows", doc="[rows] source rank of each padded row (-1: padding)")
+_ROW_SLOT = _t("row_slot", "int32", "rows", doc="[rows] slot t * TOPK + k of the row on its source (shared: t * TOPK)")
+ARGS.update({
+    "ep_routing": (
+        _t("idx_ptrs", "i64", "RANKS", doc="[RANKS] base address of each source rank's topk_idx [T_s, TOPK] int32 "
+           "(global ids)"),
+        _t("w_ptrs", "i64", "RANKS", doc="[RANKS] base address of each source rank's topk_weight [T_s, TOPK] fp32"),
+        _t("src_tokens", "int32", "RANKS", doc="[RANKS] tokens T_s of each source rank", align=4),
+        Arg("rank", "scalar", (), "this (destination and owner) rank"),
+        _t("row_rank", "int32", "rows", written=True, doc=_ROW_RANK.doc),
+        _t("row_slot", "int32", "rows", written=True, doc=_ROW_SLOT.doc),
+        _t("row_w", "fp32", "rows", written=True, doc="[rows] routing weight of each padded row (shared 1, padding 0)"),
+        _t("tile_group", "int32", "tiles", written=True, doc="[max_m_tiles] group of each routing tile (-1 after)"),
+        _t("meta", "int32", "4", written=True, doc="[4] meta[0] routing tiles used; meta[1] error flag; meta[2] "
+           "routed rows (the pushed ones); meta[3] ids out of range"),
+        _t("slot_pos", "int32", "tokens", "TOPK + SHARED", written=True,
+           doc="[T, slots] row of each own slot in [slot rows | row space] (-1: id out of range)"),
+    ),
+    "ep_dispatch": (
+        _t("x_ptrs", "i64", "RANKS", doc="[RANKS] base address of each source rank's x [T_s, HIDDEN] bf16"),
+        _ROW_RANK, _ROW_SLOT, _META,
+        _t("xg", "bf16", "rows", "HIDDEN", written=True, doc="[rows, H] pulled rows (padding rows: zeros)"),
+    ),
+    "ep_push": (
+        _t("ys", "bf16", "rows", "HIDDEN", doc="[rows, H] this rank's GEMM 2 output (weighted rows)"),
+        _ROW_RANK, _ROW_SLOT,
+        _t("meta", "int32", "4", doc="[4] meta[2] = routed rows: rows [0, meta[2]) are pushed"),
+        _t("slot_ptrs", "i64", "RANKS", doc="[RANKS] base address of each owner's slot rows [T_s * TOPK, HIDDEN] bf16 "
+           "(written through)"),
+    ),
+})
 ARGS["routing_sync"] = ARGS["routing"] + (
     _t("sync", "int32", "nsync", written=True, doc="[SYNC_DONE1 + max_m_tiles] the fused kernel's counters, zeroed"),
 )
@@ -283,6 +320,9 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "quant_mx_used": {"rows": "BM", "sf_bytes": None},
     "quant_mx_w": {},
 }
+SYMBOLS.update({"ep_routing": {"tokens": None, "rows": "BM", "tiles": None}, "ep_dispatch": {"rows": "BM"},
+                "ep_push": {"rows": "BM"}})
+EP_KERNELS = ("ep_routing", "ep_dispatch", "ep_push")
 FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols")
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
 MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",

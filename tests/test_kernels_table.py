@@ -66,7 +66,7 @@ def test_table_rows_are_well_formed():
         assert len(set(names)) == len(names), kernel
         syms = kernels.SYMBOLS[kernel]
         for a in rows:
-            assert a.dtype in ("bf16", "fp32", "int32", "u8", "scalar"), (kernel, a)
+            assert a.dtype in ("bf16", "fp32", "int32", "u8", "i64", "scalar"), (kernel, a)
             for dim in a.shape:
                 # lower-case names in a shape are symbolic sizes the kernel's compile() declares
                 for tok in dim.replace("*", " ").replace("+", " ").replace("/", " ").split():
