@@ -1,0 +1,323 @@
+"""Expert parallelism's runtime path (issue 22): the pull-dispatch / push-combine forward of ``R`` ranks, run as
+simulated ranks in one process (one device, or the CPU with the reference kernels).
+
+Per rank ``d`` (the protocol of :mod:`mokgen.ep`), kernels in this order, with a barrier between the phases:
+
+1. ``ep_routing``: the destination's padded row space (groups ``0 .. L-1`` its routed experts, rows source rank by
+   source rank in (t, k) order: :func:`mokgen.ep.dispatch_layout`'s order; groups ``L ..`` the shared experts over
+   its own tokens) and, as owner, ``slot_pos`` into its combine buffer. Reads every source's ``topk_idx`` /
+   ``topk_weight`` through their base addresses. On the device, no host sync.
+2. ``ep_dispatch`` (the pull): ``xg[r]`` = row ``row_slot[r] // K`` of source ``row_rank[r]``'s x (base addresses);
+   then the single-GPU ``gemm1`` and ``gemm2`` on ``xg`` (their argument tables: the EP layer's per-rank spec,
+   ``G = L + S`` groups), GEMM 2 writing into the row-space part of the combine buffer.
+3. ``ep_push``: each routed output row into its owner's slot rows ``ys_s[t * K + k]`` (base addresses).
+4. the single-GPU ``combine`` on the owner's combine buffer ``[T * K slot rows | row space]``: slots 0 .. K-1 then
+   the shared experts, in that order, fp32 sums.
+
+Every row is computed by the same GEMM code as the single-GPU layer on the gathered problem (same rows, same
+order inside each expert's group) and summed in the same order, so the outputs equal that layer's bit for bit,
+and no result depends on the order in which the ranks run a phase (each slot has exactly one writer).
+
+**Peer buffers** (:class:`PeerBuffers`) are what the kernels take: a ``[R]`` int64 device tensor of base addresses.
+Here they are the ranks' own tensors on one device; on several GPUs they are torch symmetric memory's peer
+pointers (``buffer_ptrs_dev``), with ``symm_mem.barrier`` between the phases: that multi-process form is not
+built. The reference kernels (:func:`reference_ep_kernels`, the CPU tests) resolve an address through the tensors
+a :class:`PeerBuffers` registered (an unknown address is an error).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from . import reference as R
+from .kernels import EP_KERNELS, bind, call
+from .ops import MoEInputError, RoutingError, load_library, uses_gather_kernel
+
+__all__ = ["PeerBuffers", "EPMoE", "recv_capacity", "reference_ep_kernels", "ref_ep_routing", "ref_ep_dispatch",
+           "ref_ep_push", "EP_LAYER_KERNELS"]
+
+# what one rank launches: the EP kernels and the single-GPU GEMMs and combine
+EP_LAYER_KERNELS = EP_KERNELS + ("gemm1", "gemm2", "combine")
+
+_ADDRESSES: "weakref.WeakValueDictionary[tuple[str, int], torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+class PeerBuffers:
+    """``R`` ranks' buffers of one kind as the EP kernels take them: ``ptrs``, a ``[R]`` int64 tensor of base
+    addresses on ``device`` (rows contiguous). Built from tensors (the simulation: every rank's tensor on one
+    device); the tensors are registered so that the reference kernels can resolve the addresses."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device | str | None = None):
+        self.tensors = list(tensors)
+        for i, t in enumerate(self.tensors):
+            if not t.is_contiguous():
+                raise MoEInputError(f"ep: peer buffer {i} must be contiguous")
+        dev = torch.device(device) if device is not None else self.tensors[0].device
+        self.ptrs = torch.tensor([t.data_ptr() if t.numel() else 0 for t in self.tensors], dtype=torch.int64,
+                                 device=dev)
+        for t in self.tensors:
+            if t.numel():
+                _ADDRESSES[(t.device.type, t.data_ptr())] = t
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _resolve(ptrs: torch.Tensor, device: torch.device) -> list[torch.Tensor | None]:
+    """The registered tensors at the addresses ``ptrs`` (None for address 0: an empty buffer)."""
+    out: list[torch.Tensor | None] = []
+    for a in ptrs.tolist():
+        if a == 0:
+            out.append(None)
+            continue
+        t = _ADDRESSES.get((device.type, a))
+        if t is None:
+            raise RuntimeError(f"ep reference kernels: no registered peer buffer at address {a:#x}")
+        out.append(t)
+    return out
+
+
+def recv_capacity(tokens: Sequence[int], own_tokens: int, cfg: Any, bm: int) -> int:
+    """Rows of a destination's row space that no routing can overflow: every source's slots routed here (at most
+    ``min(K, L)`` per token: a token's ids are distinct), the shared experts' rows of its own tokens, a group's
+    padding each; rounded up to ``bm``. (Several GPUs: the plan's worst case, :func:`mokgen.ep.plan_ep`, from
+    ``spec.tokens``.)"""
+    c = R.layer_config(cfg)
+    raw = sum(tokens) * min(c.topk, c.local_experts) + c.shared_experts * own_tokens + c.groups * (bm - 1)
+    return -(-raw // bm) * bm
+
+
+# ---- reference kernels (CPU tests; the device kernels are templates/sm90/ep_*.py.j2) --------------------------
+
+def ref_ep_routing(idx_ptrs, w_ptrs, src_tokens, rank, row_rank, row_slot, row_w, tile_group, meta, slot_pos, *,
+                   ranks: int, local_experts: int, shared_experts: int, topk: int, bm: int) -> None:
+    """As the ``ep_routing`` kernel (templates/sm90/ep_routing.py.j2): see the module docstring."""
+    L, S, K = local_experts, shared_experts, topk
+    dev = row_rank.device
+    idxs, wts = _resolve(idx_ptrs, dev), _resolve(w_ptrs, dev)
+    counts = src_tokens.tolist()
+    first = rank * L
+    srcs, slots, ws, es = [], [], [], []
+    bad = 0
+    for s in range(ranks):
+        n = counts[s] * K
+        if n == 0:
+            continue
+        flat = idxs[s].reshape(-1)[:n].long()
+        bad += int(((flat < 0) | (flat >= ranks * L)).sum())
+        local = flat - first
+        hit = ((local >= 0) & (local < L)).nonzero().flatten()        # (t, k) order
+        srcs.append(torch.full_like(hit, s))
+        slots.append(hit)
+        ws.append(wts[s].reshape(-1)[:n][hit].float())
+        es.append(local[hit])
+    e = torch.cat(es) if es else torch.zeros(0, dtype=torch.int64, device=dev)
+    src = torch.cat(srcs) if srcs else e.clone()
+    slot = torch.cat(slots) if slots else e.clone()
+    w = torch.cat(ws) if ws else torch.zeros(0, device=dev)
+    order = torch.argsort(e, stable=True)                            # by expert; sources, then (t, k), inside
+    T = slot_pos.shape[0]
+    cnt = torch.cat([torch.bincount(e, minlength=L)[:L], torch.full((S,), T, dtype=torch.int64, device=dev)])
+    padded = (cnt + bm - 1) // bm * bm
+    start = torch.cumsum(padded, 0) - padded
+    used = int(padded.sum())
+    if used > row_rank.numel() or used // bm > tile_group.numel():
+        raise RuntimeError(f"ep workspace too small: {used} rows needed, {row_rank.numel()} allocated")
+    row_rank[:used] = -1
+    row_slot[:used] = 0
+    row_w[:used] = 0
+    es = e[order]
+    first_of = torch.cumsum(cnt[:L], 0) - cnt[:L]
+    dest = start[es] + torch.arange(es.numel(), device=dev) - first_of[es]
+    row_rank[dest] = src[order].to(row_rank.dtype)
+    row_slot[dest] = slot[order].to(row_slot.dtype)
+    row_w[dest] = w[order].to(row_w.dtype)
+    tile_group.fill_(-1)
+    for g in range(L + S):
+        tile_group[int(start[g]) // bm:(int(start[g]) + int(padded[g])) // bm] = g
+    tok = torch.arange(T, device=dev)
+    for j in range(S):
+        d = start[L + j] + tok
+        row_rank[d] = rank
+        row_slot[d] = (tok * K).to(row_slot.dtype)
+        row_w[d] = 1.0
+        slot_pos[:, K + j] = (T * K + d).to(slot_pos.dtype)
+    if T:
+        own = idxs[rank].reshape(-1)[:T * K].long()
+        ok = (own >= 0) & (own < ranks * L)
+        slot_pos[:, :K] = torch.where(ok, torch.arange(T * K, device=dev), -1).reshape(T, K).to(slot_pos.dtype)
+    meta[0] = used // bm
+    if bad:
+        meta[1] = 1
+    meta[2] = int(start[L]) if S else used   # the routed groups end where the shared ones begin
+    meta[3] = bad
+
+
+def ref_ep_dispatch(x_ptrs, row_rank, row_slot, meta, xg, *, topk: int, bm: int) -> None:
+    """As the ``ep_dispatch`` kernel: the used rows pulled from the sources' x, padding rows zeroed."""
+    xs = _resolve(x_ptrs, xg.device)
+    n = int(meta[0]) * bm
+    rr, tok = row_rank[:n].long(), row_slot[:n].long() // topk
+    xg[:n] = 0
+    for s, x in enumerate(xs):
+        sel = (rr == s).nonzero().flatten()
+        if sel.numel():
+            xg[sel] = x.reshape(-1, xg.shape[1])[tok[sel]]
+
+
+def ref_ep_push(ys, row_rank, row_slot, meta, slot_ptrs) -> None:
+    """As the ``ep_push`` kernel: rows [0, meta[2]) with a source rank written into that owner's slot rows."""
+    dsts = _resolve(slot_ptrs, ys.device)
+    n = int(meta[2])
+    rr, slot = row_rank[:n].long(), row_slot[:n].long()
+    for s, buf in enumerate(dsts):
+        sel = (rr == s).nonzero().flatten()
+        if sel.numel():
+            buf.reshape(-1, ys.shape[1])[slot[sel]] = ys[sel]
+
+
+def reference_ep_kernels(spec: Any, bm: int, gather: bool = False) -> dict[str, Callable[..., None]]:
+    """{kernel: callable} for :data:`EP_LAYER_KERNELS` with the device kernels' argument lists (mokgen/kernels.py):
+    the EP kernels' references and the single-GPU reference GEMMs and combine of the per-rank spec (``gather``:
+    GEMM 1 reads gathered rows, as plans whose gemm1 loads A by TMA)."""
+    c = R.layer_config(spec)
+    fns = R.reference_kernels(spec, bm, gather=gather)
+    kw = dict(topk=c.topk, bm=bm)
+    fns.update(
+        ep_routing=bind("ep_routing", lambda **a: ref_ep_routing(**a, ranks=c.ep, local_experts=c.local_experts,
+                                                                 shared_experts=c.shared_experts, **kw)),
+        ep_dispatch=bind("ep_dispatch", lambda **a: ref_ep_dispatch(**a, **kw)),
+        ep_push=bind("ep_push", lambda **a: ref_ep_push(**a)),
+    )
+    return {k: fns[k] for k in EP_LAYER_KERNELS}
+
+
+# ---- the layer -------------------------------------------------------------------------------------------------
+
+class EPMoE:
+    """The expert-parallel MoE layer of ``spec`` (``spec.ep`` ranks, ``spec.local_experts`` experts each) on
+    simulated ranks: every rank's inputs and weights are tensors of this process, on one device.
+
+    ``EPMoE(spec, plan, entry_dir)`` loads the kernels of a built cache entry of ``spec`` (emit renders the EP
+    kernels for ``ep > 1``); ``functions=`` injects them instead (:func:`reference_ep_kernels`), with
+    ``allow_cpu=True`` for CPU tensors. The plan is the single-GPU plan of ``spec`` (its routing tile ``bm``, its
+    GEMMs: ``G = L + S`` groups)."""
+
+    def __init__(self, spec: Any, plan: Any, entry_dir: Any = None, *,
+                 functions: Mapping[str, Callable[..., Any]] | None = None, allow_cpu: bool = False):
+        self.spec, self.plan = spec, plan
+        self.cfg = R.layer_config(spec)
+        self.ranks = self.cfg.ep
+        self.bm = int(plan.bm)
+        if getattr(plan, "schedule", "chain") != "chain" or self.cfg.dtype != "bf16":
+            raise ValueError("EPMoE: the EP layer runs bf16 chain-schedule plans (the single-GPU gemm1, gemm2 and "
+                             "combine kernels)")
+        if functions is None:
+            if entry_dir is None:
+                raise ValueError("EPMoE needs entry_dir (a built cache entry of an ep > 1 spec) or functions=")
+            functions = load_library(entry_dir, EP_LAYER_KERNELS)
+        missing = [k for k in EP_LAYER_KERNELS if k not in functions]
+        if missing:
+            raise ValueError(f"EPMoE: functions lacks kernel(s) {missing}")
+        self._fns = {k: functions[k] for k in EP_LAYER_KERNELS}
+        self.allow_cpu = allow_cpu
+        self.gather = uses_gather_kernel(plan)
+        self.last_meta: list[torch.Tensor] = []
+
+    def _check(self, x, topk_idx, topk_weight, w1, w2, b1, b2) -> None:
+        c, n = self.cfg, self.ranks
+        for name, v in (("x", x), ("topk_idx", topk_idx), ("topk_weight", topk_weight), ("w1", w1), ("w2", w2)) + \
+                ((("b1", b1), ("b2", b2)) if c.bias else ()):
+            if v is None or len(v) != n:
+                raise MoEInputError(f"ep: {name} must hold one tensor per rank ({n})")
+        if (b1 is not None or b2 is not None) != bool(c.bias):
+            raise MoEInputError(f"ep: biases given {b1 is not None}, spec bias {c.bias}")
+        dev = x[0].device
+        if dev.type != "cuda" and not self.allow_cpu:
+            raise MoEInputError(f"ep: tensors must be on a CUDA device, got {dev}")
+        G, H, I, K = c.groups, c.hidden, c.ffn, c.topk
+        for r in range(n):
+            T = x[r].shape[0] if x[r].dim() == 2 else -1
+            want = {"x": (x[r], (T, H), torch.bfloat16), "topk_idx": (topk_idx[r], (T, K), torch.int32),
+                    "topk_weight": (topk_weight[r], (T, K), torch.float32),
+                    "w1": (w1[r], (G, 2 * I, H), torch.bfloat16), "w2": (w2[r], (G, H, I), torch.bfloat16)}
+            if c.bias:
+                want.update(b1=(b1[r], (G, 2 * I), torch.float32), b2=(b2[r], (G, H), torch.float32))
+            for name, (t, shape, dt) in want.items():
+                if tuple(t.shape) != shape or t.dtype != dt or t.device != dev or not t.is_contiguous():
+                    raise MoEInputError(f"ep: rank {r}'s {name} must be a contiguous {dt} tensor {list(shape)} on "
+                                        f"{dev}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+    def __call__(self, x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                 topk_weight: Sequence[torch.Tensor], w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
+                 b1: Sequence[torch.Tensor] | None = None, b2: Sequence[torch.Tensor] | None = None, *,
+                 order: Sequence[int] | None = None, num_ctas: int | None = None, check: bool = False
+                 ) -> list[torch.Tensor]:
+        """Every rank's y [T_r, H] bf16 for its tokens x[r] [T_r, H] and their *global* top-k ids (``[0, R * L)``)
+        and weights; ``w1[r]`` / ``w2[r]`` (``b1[r]`` / ``b2[r]``) are rank r's L experts then the S shared ones.
+        ``order``: the order in which the ranks run each phase (a permutation; it must not change the bits).
+        ``check=True`` syncs and raises :class:`~mokgen.ops.RoutingError` on ids out of range (those slots add 0)."""
+        self._check(x, topk_idx, topk_weight, w1, w2, b1, b2)
+        c, n, bm, f = self.cfg, self.ranks, self.bm, self._fns
+        order = list(range(n)) if order is None else list(order)
+        if sorted(order) != list(range(n)):
+            raise MoEInputError(f"ep: order must be a permutation of range({n}), got {order}")
+        dev = x[0].device
+        K, H, I = c.topk, c.hidden, c.ffn
+        T = [int(t.shape[0]) for t in x]
+        if num_ctas is None:
+            num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        # the peer buffers (symmetric memory on several GPUs): x, the routing, the owners' combine buffers
+        xs, idxs, wts = PeerBuffers(x, dev), PeerBuffers(topk_idx, dev), PeerBuffers(topk_weight, dev)
+        src_tokens = torch.tensor(T, dtype=torch.int32, device=dev)
+        caps = [recv_capacity(T, T[d], c, bm) for d in range(n)]
+        ws = []
+        for d in range(n):
+            cap = caps[d]
+            e = dict(device=dev)
+            ws.append(dict(row_rank=torch.empty(cap, dtype=torch.int32, **e),
+                           row_slot=torch.empty(cap, dtype=torch.int32, **e),
+                           row_w=torch.empty(cap, dtype=torch.float32, **e),
+                           tile_group=torch.empty(cap // bm, dtype=torch.int32, **e),
+                           meta=torch.zeros(4, dtype=torch.int32, **e),
+                           slot_pos=torch.empty((T[d], K + c.shared_experts), dtype=torch.int32, **e),
+                           comb=torch.empty((T[d] * K + cap, H), dtype=torch.bfloat16, **e)))
+        slots = PeerBuffers([w["comb"] for w in ws], dev)
+        dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
+        # phase 1: routing (every source's ids and weights are readable: the callers' inputs)
+        for d in order:
+            w = ws[d]
+            call(f, "ep_routing", idx_ptrs=idxs.ptrs, w_ptrs=wts.ptrs, src_tokens=src_tokens, rank=d,
+                 row_rank=w["row_rank"], row_slot=w["row_slot"], row_w=w["row_w"], tile_group=w["tile_group"],
+                 meta=w["meta"], slot_pos=w["slot_pos"])
+        # phase 2: pull dispatch, the experts (GEMM 2 into the row-space part of the combine buffer)
+        for d in order:
+            w, cap = ws[d], caps[d]
+            xg = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
+            call(f, "ep_dispatch", x_ptrs=xs.ptrs, row_rank=w["row_rank"], row_slot=w["row_slot"], meta=w["meta"],
+                 xg=xg)
+            h = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
+            ident = torch.arange(cap, dtype=torch.int32, device=dev)   # GEMM 1 "gathers" xg's own rows
+            call(f, "gemm1", a=xg, w=w1[d], bias=b1[d] if b1 is not None else dummy, row=ident,
+                 tile_group=w["tile_group"], meta=w["meta"], out=h, num_ctas=num_ctas)
+            w["ys"] = w["comb"][T[d] * K:]
+            call(f, "gemm2", a=h, w=w2[d], bias=b2[d] if b2 is not None else dummy, row=w["row_w"],
+                 tile_group=w["tile_group"], meta=w["meta"], out=w["ys"], num_ctas=num_ctas)
+        # phase 3: push the routed rows into their owners' slot rows
+        for d in order:
+            w = ws[d]
+            call(f, "ep_push", ys=w["ys"], row_rank=w["row_rank"], row_slot=w["row_slot"], meta=w["meta"],
+                 slot_ptrs=slots.ptrs)
+        # phase 4: each owner's fixed-order sum
+        y = [torch.empty((T[r], H), dtype=torch.bfloat16, device=dev) for r in range(n)]
+        for r in order:
+            if T[r]:
+                call(f, "combine", ys=ws[r]["comb"], slot_pos=ws[r]["slot_pos"], y=y[r])
+        self.last_meta = [w["meta"] for w in ws]
+        if check and any(int(m[1]) for m in self.last_meta):
+            bad = int(self.last_meta[0][3])
+            raise RoutingError(f"mokgen ep: {bad} top-k id(s) outside [0, {n * c.local_experts}); those slots were "
+                               "dropped (contributed 0)")
+        return y
