@@ -51,6 +51,8 @@ def test_emit_is_deterministic_and_headed(name):
     if plan.spec.dtype == "fp8":   # the FP8 forms keep the kernel names; the quantization kernels join them
         expected |= {"quant_rows.py", "quant_rows_used.py", "quant_rows_gather.py", "quant_w.py", "quant_wt.py",
                      "quant_cols.py"}
+    if plan.spec.ep > 1 and plan.spec.dtype == "bf16":   # expert parallelism's kernels (issue 22, mokgen/ep_ops.py)
+        expected |= {"ep_routing.py", "ep_dispatch.py", "ep_push.py"}
     assert set(a.files) == expected
 
 
