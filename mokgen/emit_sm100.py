@@ -25,6 +25,10 @@ ACC_STAGES = 2        # accumulators in tensor memory (double-buffered)
 BACKWARD = ("dgrad1", "dgrad2")   # the backward GEMMs rendered so far (their tile: GEMM 2's, or the bn given)
 TMEM_COLUMNS = 512    # fp32 columns of tensor memory per SM
 BARRIER_BYTES = 1024
+# The GEMMs' persistent tile walk: Cluster Launch Control (one CTA per tile; a CTA takes over the tiles of CTAs it
+# cancels before they launch: MoK's scheduler, balancing tiles of uneven length and SMs other kernels hold), or the
+# static b, b + grid, ... walk (False: the form the first version shipped, kept renderable for comparison).
+CLC = True
 
 
 def smem_bytes(bn: int, bk: int, stages: int, epi_n: int, epi_stages: int, parts: int = 1) -> int:
@@ -130,6 +134,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         raster=max(1, g.raster_group * (plan.bm // UMMA_M)),
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
+        clc=CLC,
     )
 
 
@@ -304,7 +309,7 @@ def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 
     return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], m_out=m_out, n_out=n_out,
                 groups=spec.groups, group_m=plan.bm, accumulate=accumulate, bm=UMMA_M, bn=bn, bk=bk, stages=stages,
                 acc_stages=ACC_STAGES, epi_n=epi_n, epi_stages=epi_stages, raster=raster,
-                m_tiles=-(-m_out // UMMA_M), n_tiles=-(-n_out // bn))
+                m_tiles=-(-m_out // UMMA_M), n_tiles=-(-n_out // bn), clc=CLC)
 
 
 def render_wgrad(plan: Plan, which: str, *, accumulate: bool = False, name: str | None = None, **tile: Any) -> str:

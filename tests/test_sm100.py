@@ -22,7 +22,10 @@ from mokgen.spec import load_spec
 CASES = [("kimi-k2", {}), ("gpt-oss-120b", {"bn": 256, "stages": 4})]
 PTX_WANTED = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.relinquish_alloc_permit", "tcgen05.ld",
               "tcgen05.wait::ld", "tcgen05.commit", "cp.async.bulk.tensor", "mbarrier.try_wait",
-              "mbarrier.arrive.expect_tx")
+              "mbarrier.arrive.expect_tx",
+              # the CLC tile walk: a cancel request per tile, its response read back
+              "clusterlaunchcontrol.try_cancel.async.shared::cta.mbarrier::complete_tx::bytes.b128",
+              "clusterlaunchcontrol.query_cancel.is_canceled", "clusterlaunchcontrol.query_cancel.get_first_ctaid")
 # GEMM 1 (which=1): kimi-k2 (concat gate/up, plain swiglu), gpt-oss-120b (interleaved, bias, swiglu_oai: N 2880 =
 # 30 tiles of 96 per part), and kimi-k2's GEMM 1 for training (save_z: z in W1's concat row order)
 G1_CASES = [("kimi-k2", {}), ("gpt-oss-120b", {}), ("kimi-k2", {"save_z": True})]
@@ -308,7 +311,7 @@ def test_mokgen_compile_sm100a_builds_forward_and_backward(tmp_path, monkeypatch
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
             if line.split() and line.split()[0] in ("routing", "gather", "combine") + gemms}
     assert set(rows) == {"routing", "gather", "combine", *gemms}
-    assert all(rows[k][:4] == ["-", "yes", "yes", "yes"] for k in gemms)
+    assert all(rows[k][:5] == ["-", "yes", "yes", "yes", "yes"] for k in gemms)   # ... tcgen05, CLC
     assert all(r[-1] == "yes" for r in rows.values())   # every kernel targets sm_100a
     assert "never run on a Blackwell GPU" in out and "wgmma pipelined" not in out
 
@@ -331,6 +334,7 @@ def test_preset_compiles_for_sm100a(name, tmp_path):
         assert r["target"] and not r["wgmma.mma_async"], (k, r)
     for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc"):
         assert report[k]["tcgen05"] and report[k]["cp.async.bulk.tensor"] and report[k]["mbarrier"], report[k]
+        assert report[k]["clusterlaunchcontrol"], (k, "the GEMMs walk their tiles by Cluster Launch Control")
 
 
 def test_mokgen_plan_explain_sm100a(capsys):
