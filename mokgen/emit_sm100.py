@@ -60,13 +60,12 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
     spec = plan.spec
     mx = spec.dtype == "mxfp8"
-    if spec.dtype not in ("bf16", "mxfp8") or (mx and (which not in (1, 2) or save_z)):
-        raise EmitError(f"spec.dtype: the sm_100a grouped GEMMs are BF16, and MXFP8 for the forward GEMMs 1 and 2 "
-                        f"only, got dtype {spec.dtype!r} for {'gemm1_train' if save_z else which!r}")
+    if spec.dtype not in ("bf16", "mxfp8"):
+        raise EmitError(f"spec.dtype: the sm_100a grouped GEMMs are BF16 and MXFP8, got dtype {spec.dtype!r}")
     H, I = spec.hidden, spec.ffn
     parts = 2 if which == 1 else 1
     g = plan.gemm1 if which == 1 else plan.gemm2
-    what = f"plan.backward.{which} (GEMM 2's tile)" if which in BACKWARD else f"plan.gemm{which}"
+    what = f"plan.backward.{which}" if which in BACKWARD else f"plan.gemm{which}"
     if bn is None:
         if g.bn % parts:
             raise EmitError(f"{what}.bn: must be even (gate and up halves), got {g.bn}")
@@ -91,6 +90,10 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         # layout, so that each part's rows and their scale atoms are contiguous
         n_stride, p_stride = (H, I * H) if mx else _w1_strides(spec)
         g_stride = 2 * I * H
+    # the dgrads read W N-major (the UMMA's B operand MN-major), BF16 and MXFP8 alike: the block-scaled
+    # kind::mxf8f6f4 MMA takes 8-bit operands MN-major too (PTX ISA: transpose A / B, bits 15 / 16 of the
+    # instruction descriptor; the CuTe DSL's MmaMXF8F6F4Op), its scales always along K: MXFP8 reads the e4m3 copies
+    # quant_mx_w*_cols write in W's layout, their 32-blocks along K
     elif which == "dgrad2":   # W1 [G, 2I, H] as (N = H, K = 2I): N contiguous, K strided by H
         n_stride, k_stride, p_stride, g_stride, b_mn = 1, H, 2 * I * H, 2 * I * H, True
     elif which == "dgrad1":   # W2 [G, H, I] as (N = I, K = H): N contiguous, K strided by I
@@ -104,6 +107,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     table = ("gemm1_train" if save_z else "gemm1") if which == 1 else "gemm2" if which == 2 else which
     table += "_mx" if mx else ""
     return dict(
+        table=table,
         args=kernels.ARGS[table],
         symbols=kernels.SYMBOLS[table],
         n_out=n_out,
@@ -236,23 +240,21 @@ def emit_sm100(plan: Plan) -> Sources:
     spec = plan.spec
     if spec.dtype not in ("bf16", "mxfp8"):
         raise EmitError(f"spec.dtype: the sm_100a kernels are BF16 and MXFP8, got {spec.dtype!r}")
-    if spec.dtype == "mxfp8" and plan.backward is not None:
-        raise EmitError("plan.backward: the sm_100a MXFP8 kernels are the forward only (no MXFP8 dgrad / wgrad "
-                        "kernels yet; mokgen.plan.solve(spec, 'sm_100a') gives an MXFP8 plan without a backward)")
+    mx = spec.dtype == "mxfp8"
     if plan.schedule != "chain" or plan.gemm1.a_load != "tma":
         raise EmitError("plan: an sm_100a plan runs the chain schedule and GEMM 1 on gathered rows (a_load 'tma'; "
                         "mokgen.plan.solve(spec, 'sm_100a') gives that form)")
     render = Renderer(plan)
+    bw = plan.backward
     render.routing()
-    if spec.dtype == "mxfp8":   # x's rows gathered by the quantizer; h quantized between the GEMMs; W1 / W2 once
-        for name in MX_QUANT:
+    if mx:   # x's rows gathered by the quantizer; h quantized between the GEMMs; W1 / W2 once
+        for name in MX_QUANT + (MX_QUANT_BACKWARD if bw is not None else ()):
             render.files[f"{name}.py"] = render_quant_mx(plan, name)
-    else:
+    if not mx or bw is not None:   # MXFP8 training: the bf16 dO / x rows of the weight gradients
         render.gather()
     render.files["gemm1.py"] = render_grouped_gemm(plan, 1)
     render.files["gemm2.py"] = render_grouped_gemm(plan, 2)
     render.combine()
-    bw = plan.backward
     if bw is not None:
         for name in BACKWARD + WGRADS:
             g = getattr(bw, name)
@@ -264,7 +266,10 @@ def emit_sm100(plan: Plan) -> Sources:
         g2 = plan.gemm2
         for name in BACKWARD:
             d = getattr(bw, name)
-            stages = fit_stages(plan, d.bn, g2.bk, g2.epi_n, g2.epi_stages, most=d.stages)
+            # MXFP8: the plan's stages are those that fit with the scale atoms (plan.tcgen05_mx_smem)
+            stages = d.stages if mx else fit_stages(plan, d.bn, g2.bk, g2.epi_n, g2.epi_stages, most=d.stages)
+            if mx and d.bk != g2.bk:
+                raise EmitError(f"plan.backward.{name}.bk: the MXFP8 dgrads step K by GEMM 2's {g2.bk}, got {d.bk}")
             render.files[f"{name}.py"] = render_grouped_gemm(plan, name, bn=d.bn, stages=stages)
         for name in WGRADS:
             w = getattr(bw, name)
@@ -291,8 +296,9 @@ def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 
     if plan.arch != "sm_100a":
         raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
     spec = plan.spec
-    if spec.dtype != "bf16":
-        raise EmitError(f"spec.dtype: the sm_100a weight gradients are BF16 only so far, got {spec.dtype!r}")
+    if spec.dtype not in ("bf16", "mxfp8"):   # MXFP8 training: BF16 weight gradients from the bf16 tensors
+        raise EmitError(f"spec.dtype: the sm_100a weight gradients are BF16 (for bf16 and mxfp8 specs), got "
+                        f"{spec.dtype!r}")
     H, I = spec.hidden, spec.ffn
     m_out, n_out = (2 * I, H) if which == "wgrad1" else (H, I)
     what = f"plan.backward.{which}"
@@ -327,35 +333,51 @@ def render_wgrad(plan: Plan, which: str, *, accumulate: bool = False, name: str 
 
 QUANT_MX_TEMPLATE = "sm100/quant_mx.py.j2"
 MX_QUANT = tuple(kernels.MX_QUANT_KERNELS)   # quant_mx_gather, quant_mx_used, quant_mx_w1, quant_mx_w2
+MX_QUANT_BACKWARD = tuple(kernels.MX_QUANT_BACKWARD)   # quant_mx_dz, quant_mx_w2_cols, quant_mx_w1_cols
+MX_QUANT_TABLES = {**kernels.MX_QUANT_KERNELS, **kernels.MX_QUANT_BACKWARD}
 
 
 def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
     """The render context of templates/sm100/quant_mx.py.j2 for MXFP8 quantizer `name`: ``quant_mx_gather`` (x's
-    rows gathered by row_src -> GEMM 1's A, K = H), ``quant_mx_used`` (h's used rows -> GEMM 2's A, K = I),
-    ``quant_mx_w1`` (W1 [G, 2I, H] -> concat row order) and ``quant_mx_w2`` (W2 [G, H, I])."""
-    if name not in MX_QUANT:
-        raise EmitError(f"render_quant_mx: unknown kernel {name!r}; the MXFP8 quantizers are {', '.join(MX_QUANT)}")
+    rows gathered by row_src -> GEMM 1's A, K = H; the backward launches it on dO for dgrad1's A),
+    ``quant_mx_used`` (h's used rows -> GEMM 2's A, K = I), ``quant_mx_w1`` (W1 [G, 2I, H] -> concat row order),
+    ``quant_mx_w2`` (W2 [G, H, I]); for training: ``quant_mx_dz`` (dz's used rows -> dgrad2's A, K = 2I: the
+    bounded form), ``quant_mx_w2_cols`` (W2 [G, H, I] with 32-blocks along H: dgrad1's B, (N = I, K = H)) and
+    ``quant_mx_w1_cols`` (W1 [G, 2I, H], its rows in the spec's layout, 32-blocks along 2I: dgrad2's B, (N = H,
+    K = 2I)), the column form."""
+    if name not in MX_QUANT_TABLES:
+        raise EmitError(f"render_quant_mx: unknown kernel {name!r}; the MXFP8 quantizers are "
+                        f"{', '.join(MX_QUANT_TABLES)}")
     if plan.arch != "sm_100a" or plan.spec.dtype != "mxfp8":
         raise EmitError(f"plan: the MXFP8 quantizers are rendered for dtype mxfp8 plans on sm_100a, got dtype "
                         f"{plan.spec.dtype!r} on {plan.arch!r}")
     spec = plan.spec
     H, I = spec.hidden, spec.ffn
-    table = kernels.MX_QUANT_KERNELS[name]
-    form = {"quant_mx_gather": "gather", "quant_mx_used": "used"}.get(name, "w")
-    k_dim = {"quant_mx_gather": H, "quant_mx_used": I, "quant_mx_w1": H, "quant_mx_w2": I}[name]
+    table = MX_QUANT_TABLES[name]
+    form = {"quant_mx_gather": "gather", "quant_mx_used": "used", "quant_mx_dz": "used",
+            "quant_mx_w2_cols": "cols", "quant_mx_w1_cols": "cols"}.get(name, "w")
+    k_dim = {"quant_mx_gather": H, "quant_mx_used": I, "quant_mx_w1": H, "quant_mx_w2": I, "quant_mx_dz": 2 * I,
+             "quant_mx_w2_cols": H, "quant_mx_w1_cols": 2 * I}[name]
     if k_dim % 128:
         raise EmitError(f"render_quant_mx: K = {k_dim} is not a multiple of 128 (spec: mxfp8 needs it)")
+    # the column form: w [G, R_ROWS, C_COLS] with R_ROWS the dgrad's K (= k_dim), C_COLS its N
+    c_cols = {"quant_mx_w2_cols": I, "quant_mx_w1_cols": H}.get(name, 0)
+    if form == "cols" and c_cols % 128:
+        raise EmitError(f"render_quant_mx: {name}'s {c_cols} columns are not a multiple of 128 (spec: mxfp8 needs it)")
     return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], form=form, k_dim=k_dim, bm=plan.bm,
                 threads=256, groups=spec.groups, n_rows=2 * I if name == "quant_mx_w1" else H,
-                parts=2 if name == "quant_mx_w1" else 1,
+                parts=2 if name == "quant_mx_w1" else 1, r_rows=k_dim, c_cols=c_cols,
                 interleave=name == "quant_mx_w1" and spec.gate_up_layout == "interleaved")
 
 
 def render_quant_mx(plan: Plan, name: str) -> str:
     """The sm_100a source of the MXFP8 quantizer `name` (see :func:`quant_mx_params`)."""
     params = quant_mx_params(plan, name)
-    what = {"quant_mx_gather": "x's rows gathered by row_src (GEMM 1's A)", "quant_mx_used": "h's used rows (GEMM 2's A)",
-            "quant_mx_w1": "W1 (concat row order)", "quant_mx_w2": "W2"}[name]
+    what = {"quant_mx_gather": "x's rows gathered by row_src (GEMM 1's A; dO's rows for dgrad1's A)",
+            "quant_mx_used": "h's used rows (GEMM 2's A)", "quant_mx_w1": "W1 (concat row order)", "quant_mx_w2": "W2",
+            "quant_mx_dz": "dz's used rows (dgrad2's A)",
+            "quant_mx_w2_cols": "W2 [G, H, I] along H (dgrad1's B, read MN-major as (N = I, K = H))",
+            "quant_mx_w1_cols": "W1 [G, 2I, H] along 2I (dgrad2's B, read MN-major as (N = H, K = 2I))"}[name]
     title = f"{name} of {plan.spec.name} (sm_100a): MXFP8 quantization of {what}"
     return _environment().get_template(QUANT_MX_TEMPLATE).render(
         header=_header(plan, QUANT_MX_TEMPLATE, template_hash()), name=name, spec_name=plan.spec.name, title=title,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "MX_QUANT_KERNELS", "names", "table_key", "call", "bind"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
 CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32",
@@ -74,17 +74,22 @@ def _grouped_fp8(row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]
             out, *extra, _NUM_CTAS)
 
 
-def _grouped_mx(row: Arg, out: Arg, *extra: Arg, a_doc: str) -> tuple[Arg, ...]:
-    """An MXFP8 forward GEMM (sm_100a, block-scaled tcgen05 MMA): e4m3 operands (their bytes) and their e8m0
-    scales, one per 32 elements along K, packed in the SF-atom layout (mokgen.fp8.pack_mx_scales)."""
-    return (_t("a", "u8", "a_rows", "K_DIM", doc=a_doc + ", e4m3 bytes"),
-            _t("w", "u8", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="e4m3 weights (bytes), K-major; W1 in concat order "
-               "(gate rows, then up rows: quant_mx_w1 writes it so)"),
+_W_MX = _t("w", "u8", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="e4m3 weights (bytes), K-major; W1 in concat order "
+           "(gate rows, then up rows: quant_mx_w1 writes it so)")
+_W_MX_N = _t("w", "u8", "GROUPS", "K_DIM", "N_OUT", doc="e4m3 weights (bytes) read N-major, (N, K) = (columns, rows) "
+             "of each group's [K, N] matrix, their 32-blocks along K (quant_mx_w*_cols)")
+
+
+def _grouped_mx(row: Arg, out: Arg, *extra: Arg, a_doc: str, w: Arg = _W_MX) -> tuple[Arg, ...]:
+    """An MXFP8 GEMM (sm_100a, block-scaled tcgen05 MMA): e4m3 operands (their bytes) and their e8m0 scales, one
+    per 32 elements along K, packed in the SF-atom layout (mokgen.fp8.pack_mx_scales); `w` K-major (the forward)
+    or N-major (the dgrads)."""
+    return (_t("a", "u8", "a_rows", "K_DIM", doc=a_doc + ", e4m3 bytes"), w,
             _BIAS, row, _TILE_GROUP, _META,
             _t("sfa", "u8", "sfa_bytes", doc="e8m0 codes of a's 1 x 32 blocks, packed over a's rows (a_rows * K / 32 "
                "bytes)"),
-            _t("sfw", "u8", "GROUPS * PARTS * N_OUT * K_DIM // 32", doc="e8m0 codes of w's 1 x 32 blocks, packed per "
-               "(group, part): N_OUT rows each"),
+            _t("sfw", "u8", "GROUPS * PARTS * N_OUT * K_DIM // 32", doc="e8m0 codes of w's 32-blocks along K, packed "
+               "per (group, part) over its N_OUT columns of the output: N_OUT SF rows each"),
             out, *extra, _NUM_CTAS)
 
 
@@ -157,6 +162,17 @@ ARGS: dict[str, tuple[Arg, ...]] = {
                             a_doc="gathered, quantized rows xq [rows, H] (quant_mx_gather)"),
     "gemm2_mx": _grouped_mx(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                             a_doc="quantized h [rows, FFN] (quant_mx_used)"),
+    "gemm1_train_mx": _grouped_mx(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                                  _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+                                  a_doc="gathered, quantized rows xq [rows, H] (quant_mx_gather)"),
+    "dgrad1_mx": _grouped_mx(
+        _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
+        _Z,
+        _t("dz", "bf16", "rows", "2 * N_OUT", written=True, doc="[rows, 2 FFN] dz in W1's row order"),
+        _t("ds", "fp32", "rows", "N_TILES", written=True, doc="[rows, N_TILES] partial <dA', a> per N tile"),
+        a_doc="dO rows gathered by token and quantized along H [rows, H] (quant_mx_gather)", w=_W_MX_N),
+    "dgrad2_mx": _grouped_mx(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] dx per slot"),
+                             a_doc="dz's used rows quantized along 2 FFN [rows, 2 FFN] (quant_mx_dz)", w=_W_MX_N),
     "dgrad1": _grouped(
         _W_N, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),
         _Z,
@@ -254,6 +270,15 @@ ARGS.update({
         _t("sf", "u8", "GROUPS * N_ROWS * K_DIM // 32", written=True,
            doc="e8m0 codes packed over the G * N rows (per group, and per gate / up block of W1: whole atoms)"),
     ),
+    # the backward's weight copies (dgrad1: W2 [G, H, I], dgrad2: W1 [G, 2I, H]): 32-blocks down the columns, the
+    # layout kept (the dgrads read them MN-major as (N = C, K = R)); codes packed per group as a [C, R / 32] matrix's
+    "quant_mx_w_cols": (
+        _t("w", "bf16", "GROUPS", "R_ROWS", "C_COLS", doc="[G, R, C] bf16 weights (W2 [G, H, I] or W1 [G, 2I, H] in "
+           "the spec's gate / up layout)"),
+        _t("q", "u8", "GROUPS", "R_ROWS", "C_COLS", written=True, doc="[G, R, C] e4m3 bits, w's layout"),
+        _t("sf", "u8", "GROUPS * C_COLS * R_ROWS // 32", written=True,
+           doc="e8m0 codes of the (32 rows, column) blocks, packed per group over the C columns as SF rows (K = R)"),
+    ),
 })
 # expert parallelism (issue 22, mokgen/ep_ops.py; templates/sm90/ep_*.py.j2): the kernels of one rank of the
 # pull-dispatch / push-combine protocol. Peer buffers are passed as int64 base addresses ([RANKS] device tensors:
@@ -306,7 +331,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
                                   "gemm1_train_fp8", "gemm2_fp8", "dgrad1_fp8", "dgrad2_fp8")},
-    **{k: {**_GROUPED_SYMS, "sfa_bytes": None} for k in ("gemm1_mx", "gemm2_mx")},
+    **{k: {**_GROUPED_SYMS, "sfa_bytes": None} for k in ("gemm1_mx", "gemm2_mx", "gemm1_train_mx", "dgrad1_mx",
+                                                           "dgrad2_mx")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
     # the scale tensors' block counts (ceil(K / 128), ...) are symbols of their own: the kernels index them and
     # never read their extents (a symbolic size takes no arithmetic in compile())
@@ -319,6 +345,7 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "quant_mx_gather": {"tokens": None, "rows": "BM", "sf_bytes": None},
     "quant_mx_used": {"rows": "BM", "sf_bytes": None},
     "quant_mx_w": {},
+    "quant_mx_w_cols": {},
 }
 SYMBOLS.update({"ep_routing": {"tokens": None, "rows": "BM", "tiles": None}, "ep_dispatch": {"rows": "BM"},
                 "ep_push": {"rows": "BM"}})
@@ -327,6 +354,10 @@ FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quan
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
 MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",
                     "quant_mx_w2": "quant_mx_w"}
+# ... and the backward's (a training plan): dz's used rows along 2I (dgrad2's A; dO's gathered rows, dgrad1's A, are
+# quant_mx_gather's: K = H as x's), W2 / W1 with their 32-blocks along H / 2I (the dgrads' B, MN-major)
+MX_QUANT_BACKWARD = {"quant_mx_dz": "quant_mx_used", "quant_mx_w2_cols": "quant_mx_w_cols",
+                     "quant_mx_w1_cols": "quant_mx_w_cols"}
 
 
 def names(kernel: str) -> tuple[str, ...]:

@@ -859,7 +859,8 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
 # MXFP8 on tcgen05 (dtype mxfp8, sm_100a): e4m3 operands, one e8m0 scale per 32 K elements, the block-scaled MMA
 # (kind::mxf8f6f4.block_scale) reading the scales from tensor memory. K tile 128 (one scale-factor atom column:
 # 4 scales per row, mokgen.fp8.pack_mx_scales); tile N per part 128 (one 128-row SF atom of W per K step; GEMM 1:
-# gate and up, bn 256 in the plan's count). The forward only: the MXFP8 backward kernels are not built.
+# gate and up, bn 256 in the plan's count). Training: the dgrads in the same form (tile N 128, K tile 128, their
+# W copies read MN-major with scales along K), the weight gradients BF16 from the bf16 tensors (the sm_100a wgrads).
 MX_BK = 128
 MX_BN = {1: 256, 2: 128}   # plan.gemm*.bn (GEMM 1 counts gate + up)
 MX_SF_STAGE = 512          # bytes of one 128-row x 4-scale SF atom (one K step of 128 rows)
@@ -874,26 +875,32 @@ def tcgen05_mx_smem(parts: int, bn: int, bk: int, stages: int, epi_n: int, epi_s
     return stages * stage + 128 * epi_n * 2 * epi_stages + 1024 + (3 + 2 * parts) * 1024
 
 
+def _mx_gemm(a: Arch, g: GemmPlan, parts: int, bn: int, n_out: int, k_dim: int) -> GemmPlan:
+    """GEMM plan `g` in the MXFP8 form: e4m3 (elem_bytes 1), tile N `bn` (counting every part), K tile MX_BK, as
+    many stages as fit the shared memory with their scale atoms (tcgen05_mx_smem)."""
+    fit = [s for s in range(2, 17)
+           if tcgen05_mx_smem(parts, bn // parts, MX_BK, s, g.epi_n, g.epi_stages) <= a.smem_per_cta]
+    return dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1, stages=max(fit),
+                               n_tiles=-(-n_out // (bn // parts)), k_tiles=k_dim // MX_BK)
+
+
 def _tcgen05_mxfp8(plan: Plan) -> Plan:
     """The MXFP8 form of an sm_100a plan: GEMM 1 / GEMM 2 with e4m3 operands (elem_bytes 1), K tile MX_BK, tile N
-    MX_BN, as many stages as fit the shared memory (tcgen05_mx_smem); no backward (training is refused: the MXFP8
-    dgrad / wgrad kernels do not exist yet)."""
+    MX_BN, as many stages as fit the shared memory (tcgen05_mx_smem); the backward's dgrads in the same form (tile
+    N 128: one scale atom of W; dgrad1 (N = I, K = H), dgrad2 (N = H, K = 2I)), its weight gradients BF16 with the
+    sm_100a tiles (they read the bf16 tensors, as the Hopper FP8 path's do)."""
     a = get_arch(plan.arch)
-    gemms = {}
-    for which in (1, 2):
-        g = getattr(plan, f"gemm{which}")
-        parts = 2 if which == 1 else 1
-        bn = MX_BN[which]
-        fit = [s for s in range(2, 17)
-               if tcgen05_mx_smem(parts, bn // parts, MX_BK, s, g.epi_n, g.epi_stages) <= a.smem_per_cta]
-        n_out = plan.spec.ffn if which == 1 else plan.spec.hidden
-        k_dim = plan.spec.hidden if which == 1 else plan.spec.ffn
-        gemms[f"gemm{which}"] = dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1, stages=max(fit),
-                                                    n_tiles=-(-n_out // (bn // parts)), k_tiles=k_dim // MX_BK)
+    H, I = plan.spec.hidden, plan.spec.ffn
+    gemms = {f"gemm{w}": _mx_gemm(a, getattr(plan, f"gemm{w}"), 2 if w == 1 else 1, MX_BN[w],
+                                  I if w == 1 else H, H if w == 1 else I) for w in (1, 2)}
+    backward = plan.backward
+    if backward is not None:
+        backward = dataclasses.replace(backward, dgrad1=_mx_gemm(a, backward.dgrad1, 1, MX_BN[2], I, H),
+                                       dgrad2=_mx_gemm(a, backward.dgrad2, 1, MX_BN[2], H, 2 * I))
     note = (f"mxfp8: e4m3 GEMMs with e8m0 scales per 32 along K on the block-scaled tcgen05 MMA, K tile {MX_BK}, "
-            f"tile N {MX_BN[1] // 2} per part (GEMM 1) / {MX_BN[2]} (GEMM 2); forward only: the MXFP8 backward "
-            f"kernels are not built, so this plan cannot train")
-    return dataclasses.replace(plan, backward=None, notes=plan.notes + (note,), **gemms)
+            f"tile N {MX_BN[1] // 2} per part (GEMM 1) / {MX_BN[2]} (GEMM 2, dgrad1, dgrad2: W read MN-major by the "
+            f"dgrads); the weight gradients BF16 from the bf16 tensors")
+    return dataclasses.replace(plan, backward=backward, notes=plan.notes + (note,), **gemms)
 
 
 def _explain_mx_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:

@@ -156,16 +156,23 @@ def test_plan_mxfp8_on_sm100():
     from mokgen.spec import load_spec
 
     plan = solve(load_spec(MX), "sm_100a")
-    assert plan.backward is None and any(n.startswith("mxfp8: ") and "cannot train" in n for n in plan.notes)
-    for which, g in ((1, plan.gemm1), (2, plan.gemm2)):
+    assert any(n.startswith("mxfp8: ") and "weight gradients BF16" in n for n in plan.notes)
+    bw = plan.backward
+    for which, g in ((1, plan.gemm1), (2, plan.gemm2), ("dgrad1", bw.dgrad1), ("dgrad2", bw.dgrad2)):
         parts = 2 if which == 1 else 1
         assert (g.bk, g.elem_bytes, g.cluster, g.a_load if which == 1 else "tma") == (MX_BK, 1, 1, "tma")
+        assert g.bn // parts == 128                                          # one scale atom of W per part
         fits = tcgen05_mx_smem(parts, g.bn // parts, g.bk, g.stages, g.epi_n, g.epi_stages)
         assert 2 <= g.stages and fits <= ARCHS["sm_100a"].smem_per_cta
         assert tcgen05_mx_smem(parts, g.bn // parts, g.bk, g.stages + 1, g.epi_n, g.epi_stages) > \
             ARCHS["sm_100a"].smem_per_cta                                   # the most that fit
     assert plan.gemm1.k_tiles == 1024 // MX_BK and plan.gemm2.k_tiles == 512 // MX_BK
     assert plan.gemm1.n_tiles == 512 // (plan.gemm1.bn // 2) and plan.gemm2.n_tiles == 1024 // plan.gemm2.bn
+    # the dgrads: dgrad1 (N = I, K = H), dgrad2 (N = H, K = 2I); the weight gradients keep the BF16 sm_100a tiles
+    assert (bw.dgrad1.n_tiles, bw.dgrad1.k_tiles) == (512 // 128, 1024 // MX_BK)
+    assert (bw.dgrad2.n_tiles, bw.dgrad2.k_tiles) == (1024 // 128, 2 * 512 // MX_BK)
+    bf16 = solve(load_spec({k: v for k, v in MX.items() if k not in ("dtype", "archs")}), "sm_100a").backward
+    assert (bw.wgrad1, bw.wgrad2) == (bf16.wgrad1, bf16.wgrad2) and bw.wgrad1.elem_bytes == 2
 
 
 def test_plan_mxfp8_refusals():
@@ -200,7 +207,13 @@ def test_kimi_k2_mxfp8_spec_file():
 # the CPU against mokgen.fp8, compiled for sm_100a with the block-scaled tcgen05 instructions in the PTX
 
 MX_KERNELS = ("combine", "gemm1", "gemm2", "quant_mx_gather", "quant_mx_used", "quant_mx_w1", "quant_mx_w2", "routing")
-TABLES = {"gemm1": "gemm1_mx", "gemm2": "gemm2_mx", **kernels.MX_QUANT_KERNELS}
+# a training plan's (every sm_100a plan has its backward): the MXFP8 dgrads and their quantizers, GEMM 1 saving z,
+# the bf16 row gather and BF16 weight gradients
+MX_TRAIN = ("dgrad1", "dgrad2", "gather", "gemm1_train", "quant_mx_dz", "quant_mx_w1_cols", "quant_mx_w2_cols",
+            "wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc")
+TABLES = {"gemm1": "gemm1_mx", "gemm2": "gemm2_mx", "gemm1_train": "gemm1_train_mx", "dgrad1": "dgrad1_mx",
+          "dgrad2": "dgrad2_mx", "gather": "gather", "wgrad1": "wgrad1", "wgrad1_acc": "wgrad1_acc", "wgrad2": "wgrad2",
+          "wgrad2_acc": "wgrad2_acc", **kernels.MX_QUANT_KERNELS, **kernels.MX_QUANT_BACKWARD}
 
 
 def _mx_plan(**changes):
@@ -220,7 +233,8 @@ def test_emit_mxfp8_forward(changes):
     from mokgen.emit import emit
 
     src = emit(_mx_plan(**changes))
-    assert src.kernels == sorted(MX_KERNELS)   # no gather (the quantizer gathers), no training kernels
+    # the forward's kernels (x's rows gathered by their quantizer) and the training kernels
+    assert src.kernels == sorted(MX_KERNELS + MX_TRAIN) and set(TABLES) | {"routing", "combine"} == set(src.kernels)
     for k, table in TABLES.items():
         text = src.files[f"{k}.py"]
         assert f'KERNEL_NAME = "{k}"' in text
