@@ -14,6 +14,9 @@ Per rank ``d`` (the protocol of :mod:`mokgen.ep`), kernels in this order, with a
 4. the single-GPU ``combine`` on the owner's combine buffer ``[T * K slot rows | row space]``: slots 0 .. K-1 then
    the shared experts, in that order, fp32 sums.
 
+A training step (:meth:`EPMoE.forward_train`, :meth:`EPMoE.backward`) mirrors it: the dO rows are pulled like x,
+dx rows pushed like y, each row's router gradient scattered into its owner's slot.
+
 Every row is computed by the same GEMM code as the single-GPU layer on the gathered problem (same rows, same
 order inside each expert's group) and summed in the same order, so the outputs equal that layer's bit for bit,
 and no result depends on the order in which the ranks run a phase (each slot has exactly one writer).
@@ -35,11 +38,13 @@ from . import reference as R
 from .kernels import EP_KERNELS, bind, call
 from .ops import MoEInputError, RoutingError, load_library, uses_gather_kernel
 
-__all__ = ["PeerBuffers", "EPMoE", "recv_capacity", "reference_ep_kernels", "ref_ep_routing", "ref_ep_dispatch",
-           "ref_ep_push", "EP_LAYER_KERNELS"]
+__all__ = ["PeerBuffers", "EPMoE", "EPSaved", "recv_capacity", "reference_ep_kernels", "ref_ep_routing",
+           "ref_ep_dispatch", "ref_ep_push", "EP_LAYER_KERNELS", "EP_TRAIN_KERNELS"]
 
-# what one rank launches: the EP kernels and the single-GPU GEMMs and combine
+# what one rank launches: the EP kernels and the single-GPU GEMMs and combine; a training step also the single-GPU
+# training GEMM 1 (z saved) and the backward's GEMMs
 EP_LAYER_KERNELS = EP_KERNELS + ("gemm1", "gemm2", "combine")
+EP_TRAIN_KERNELS = ("gemm1_train", "dgrad1", "dgrad2", "wgrad1", "wgrad2")
 
 _ADDRESSES: "weakref.WeakValueDictionary[tuple[str, int], torch.Tensor]" = weakref.WeakValueDictionary()
 
@@ -178,12 +183,14 @@ def ref_ep_push(ys, row_rank, row_slot, meta, slot_ptrs) -> None:
             buf.reshape(-1, ys.shape[1])[slot[sel]] = ys[sel]
 
 
-def reference_ep_kernels(spec: Any, bm: int, gather: bool = False) -> dict[str, Callable[..., None]]:
-    """{kernel: callable} for :data:`EP_LAYER_KERNELS` with the device kernels' argument lists (mokgen/kernels.py):
-    the EP kernels' references and the single-GPU reference GEMMs and combine of the per-rank spec (``gather``:
-    GEMM 1 reads gathered rows, as plans whose gemm1 loads A by TMA)."""
+def reference_ep_kernels(spec: Any, bm: int, gather: bool = False, training: bool = False
+                         ) -> dict[str, Callable[..., None]]:
+    """{kernel: callable} for :data:`EP_LAYER_KERNELS` (and :data:`EP_TRAIN_KERNELS` with ``training``) with the
+    device kernels' argument lists (mokgen/kernels.py): the EP kernels' references and the single-GPU reference
+    GEMMs and combine of the per-rank spec (``gather``: GEMM 1 reads gathered rows, as plans whose gemm1 loads A by
+    TMA)."""
     c = R.layer_config(spec)
-    fns = R.reference_kernels(spec, bm, gather=gather)
+    fns = R.reference_kernels(spec, bm, gather=gather, training=training)
     kw = dict(topk=c.topk, bm=bm)
     fns.update(
         ep_routing=bind("ep_routing", lambda **a: ref_ep_routing(**a, ranks=c.ep, local_experts=c.local_experts,
@@ -191,7 +198,7 @@ def reference_ep_kernels(spec: Any, bm: int, gather: bool = False) -> dict[str, 
         ep_dispatch=bind("ep_dispatch", lambda **a: ref_ep_dispatch(**a, **kw)),
         ep_push=bind("ep_push", lambda **a: ref_ep_push(**a)),
     )
-    return {k: fns[k] for k in EP_LAYER_KERNELS}
+    return {k: fns[k] for k in EP_LAYER_KERNELS + (EP_TRAIN_KERNELS if training else ())}
 
 
 # ---- the layer -------------------------------------------------------------------------------------------------
@@ -214,14 +221,18 @@ class EPMoE:
         if getattr(plan, "schedule", "chain") != "chain" or self.cfg.dtype != "bf16":
             raise ValueError("EPMoE: the EP layer runs bf16 chain-schedule plans (the single-GPU gemm1, gemm2 and "
                              "combine kernels)")
+        backward = getattr(plan, "backward", None)
         if functions is None:
             if entry_dir is None:
                 raise ValueError("EPMoE needs entry_dir (a built cache entry of an ep > 1 spec) or functions=")
-            functions = load_library(entry_dir, EP_LAYER_KERNELS)
+            functions = load_library(entry_dir, EP_LAYER_KERNELS + (EP_TRAIN_KERNELS if backward is not None else ()))
         missing = [k for k in EP_LAYER_KERNELS if k not in functions]
         if missing:
             raise ValueError(f"EPMoE: functions lacks kernel(s) {missing}")
-        self._fns = {k: functions[k] for k in EP_LAYER_KERNELS}
+        self._fns = {k: functions[k] for k in EP_LAYER_KERNELS + EP_TRAIN_KERNELS if k in functions}
+        # training: the training kernels given, and dgrad1's N tiles (its router partials per row: one column each)
+        self.trainable = all(k in functions for k in EP_TRAIN_KERNELS)
+        self.ds_tiles = backward.dgrad1.n_tiles if backward is not None else 1
         self.allow_cpu = allow_cpu
         self.gather = uses_gather_kernel(plan)
         self.last_meta: list[torch.Tensor] = []
@@ -259,16 +270,28 @@ class EPMoE:
         and weights; ``w1[r]`` / ``w2[r]`` (``b1[r]`` / ``b2[r]``) are rank r's L experts then the S shared ones.
         ``order``: the order in which the ranks run each phase (a permutation; it must not change the bits).
         ``check=True`` syncs and raises :class:`~mokgen.ops.RoutingError` on ids out of range (those slots add 0)."""
+        return self._forward(x, topk_idx, topk_weight, w1, w2, b1, b2, order, num_ctas, check, training=False)[0]
+
+    def forward_train(self, x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                      topk_weight: Sequence[torch.Tensor], w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
+                      b1: Sequence[torch.Tensor] | None = None, b2: Sequence[torch.Tensor] | None = None, *,
+                      order: Sequence[int] | None = None, num_ctas: int | None = None, check: bool = False
+                      ) -> tuple[list[torch.Tensor], "EPSaved"]:
+        """(y per rank, saved): as :meth:`__call__`, with GEMM 1 also storing z; ``saved`` is what
+        :meth:`backward` needs (each destination's routing workspace and z)."""
+        if not self.trainable:
+            raise RuntimeError(f"EPMoE: cannot train: the kernels lack {[k for k in EP_TRAIN_KERNELS if k not in self._fns]}"
+                               " (a cache entry built with the training kernels, or reference_ep_kernels(training=True))")
+        return self._forward(x, topk_idx, topk_weight, w1, w2, b1, b2, order, num_ctas, check, training=True)
+
+    def _forward(self, x, topk_idx, topk_weight, w1, w2, b1, b2, order, num_ctas, check, training):
         self._check(x, topk_idx, topk_weight, w1, w2, b1, b2)
         c, n, bm, f = self.cfg, self.ranks, self.bm, self._fns
-        order = list(range(n)) if order is None else list(order)
-        if sorted(order) != list(range(n)):
-            raise MoEInputError(f"ep: order must be a permutation of range({n}), got {order}")
+        order = self._order(order)
         dev = x[0].device
         K, H, I = c.topk, c.hidden, c.ffn
         T = [int(t.shape[0]) for t in x]
-        if num_ctas is None:
-            num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        num_ctas = self._num_ctas(dev, num_ctas)
         # the peer buffers (symmetric memory on several GPUs): x, the routing, the owners' combine buffers
         xs, idxs, wts = PeerBuffers(x, dev), PeerBuffers(topk_idx, dev), PeerBuffers(topk_weight, dev)
         src_tokens = torch.tensor(T, dtype=torch.int32, device=dev)
@@ -300,8 +323,13 @@ class EPMoE:
                  xg=xg)
             h = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
             ident = torch.arange(cap, dtype=torch.int32, device=dev)   # GEMM 1 "gathers" xg's own rows
-            call(f, "gemm1", a=xg, w=w1[d], bias=b1[d] if b1 is not None else dummy, row=ident,
-                 tile_group=w["tile_group"], meta=w["meta"], out=h, num_ctas=num_ctas)
+            if training:
+                w["z"] = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
+                call(f, "gemm1_train", a=xg, w=w1[d], bias=b1[d] if b1 is not None else dummy, row=ident,
+                     tile_group=w["tile_group"], meta=w["meta"], out=h, z=w["z"], num_ctas=num_ctas)
+            else:
+                call(f, "gemm1", a=xg, w=w1[d], bias=b1[d] if b1 is not None else dummy, row=ident,
+                     tile_group=w["tile_group"], meta=w["meta"], out=h, num_ctas=num_ctas)
             w["ys"] = w["comb"][T[d] * K:]
             call(f, "gemm2", a=h, w=w2[d], bias=b2[d] if b2 is not None else dummy, row=w["row_w"],
                  tile_group=w["tile_group"], meta=w["meta"], out=w["ys"], num_ctas=num_ctas)
@@ -320,4 +348,133 @@ class EPMoE:
             bad = int(self.last_meta[0][3])
             raise RoutingError(f"mokgen ep: {bad} top-k id(s) outside [0, {n * c.local_experts}); those slots were "
                                "dropped (contributed 0)")
-        return y
+        saved = None
+        if training:
+            keep = ("row_rank", "row_slot", "row_w", "tile_group", "meta", "slot_pos", "z")
+            saved = EPSaved([{k: w[k] for k in keep} for w in ws], caps, T)
+        return y, saved
+
+    def _order(self, order: Sequence[int] | None) -> list[int]:
+        n = self.ranks
+        order = list(range(n)) if order is None else list(order)
+        if sorted(order) != list(range(n)):
+            raise MoEInputError(f"ep: order must be a permutation of range({n}), got {order}")
+        return order
+
+    @staticmethod
+    def _num_ctas(dev: torch.device, num_ctas: int | None) -> int:
+        if num_ctas is None:
+            num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        return num_ctas
+
+    def backward(self, dy: Sequence[torch.Tensor], saved: "EPSaved", x: Sequence[torch.Tensor],
+                 w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], b1: Sequence[torch.Tensor] | None = None,
+                 b2: Sequence[torch.Tensor] | None = None, *, order: Sequence[int] | None = None,
+                 num_ctas: int | None = None) -> list[R.Grads]:
+        """Every rank's gradients (a :class:`mokgen.reference.Grads`: dx, dtopk_weight, dw1, dw2, db1, db2) for the
+        output gradients ``dy[r] [T_r, H]`` of one :meth:`forward_train` (``saved``), mirroring the forward:
+
+        1. each destination pulls the dO rows of its row space from the owners' dy (``ep_dispatch`` on dy's base
+           addresses: routed rows by (source, t), its shared experts' rows from its own dy);
+        2. the single-GPU backward GEMMs on them: dgrad1 (dSwiGLU with the saved z; s a; the router partials per
+           row and N tile), wgrad2 (dW2 of its L + S groups), dgrad2 (dx per row, into the row-space part of a
+           combine buffer), then x's rows pulled again (``ep_dispatch``) for wgrad1 (dW1);
+        3. ``ep_push`` of each routed dx row into its owner's slot rows, and each row's router gradient (its
+           partials summed in N-tile order) into the owner's ``dtopk_weight[t, k]`` (a device scatter with one
+           writer per slot);
+        4. each owner's fixed-order sum of its dx slots and shared rows (the single-GPU ``combine``).
+
+        The routed experts' weight gradients, dx and dtopk_weight are computed by the same kernels on the same rows
+        in the same order as the single-GPU layer's backward on the gathered problem: the same bits. A shared
+        expert's gradients on rank r cover rank r's tokens only (the replicas' gradients are to be summed across
+        ranks, as data-parallel gradients are). Bias gradients: per destination group, as the single-GPU backward
+        computes them."""
+        if not self.trainable:
+            raise RuntimeError("EPMoE: cannot train: no training kernels")
+        c, n, bm, f = self.cfg, self.ranks, self.bm, self._fns
+        order = self._order(order)
+        T, caps = saved.tokens, saved.caps
+        if len(dy) != n or any(tuple(t.shape) != (T[r], c.hidden) or t.dtype != torch.bfloat16
+                               for r, t in enumerate(dy)):
+            raise MoEInputError(f"ep: dy must hold one bf16 [T_r, {c.hidden}] tensor per rank ({n})")
+        dev = dy[0].device
+        K, H, I, G = c.topk, c.hidden, c.ffn, c.groups
+        num_ctas = self._num_ctas(dev, num_ctas)
+        dy = [t.contiguous() for t in dy]
+        dys, xs = PeerBuffers(dy, dev), PeerBuffers(x, dev)
+        dcomb = [torch.empty((T[r] * K + caps[r], H), dtype=torch.bfloat16, device=dev) for r in range(n)]
+        dslots = PeerBuffers(dcomb, dev)
+        # the owners' router gradients: T_r * K slots and one spare row that masked-out rows write into
+        dtw_buf = [torch.zeros(T[r] * K + 1, dtype=torch.float32, device=dev) for r in range(n)]
+        dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
+        g_ids = torch.arange(G, dtype=torch.int32, device=dev)
+        out: list[dict[str, Any]] = [dict() for _ in range(n)]
+        row_grad: list[torch.Tensor] = [None] * n   # type: ignore[list-item]
+        dxs_of: list[torch.Tensor] = [None] * n     # type: ignore[list-item]
+        for d in order:
+            sv, cap = saved.ranks[d], caps[d]
+            tiles = cap // bm
+            dog = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
+            call(f, "ep_dispatch", x_ptrs=dys.ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"],
+                 meta=sv["meta"], xg=dog)
+            dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
+            sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
+            ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
+            call(f, "dgrad1", a=dog, w=w2[d], bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"],
+                 meta=sv["meta"], out=sa, z=sv["z"], dz=dz, ds=ds, num_ctas=num_ctas)
+            onehot = sv["tile_group"].unsqueeze(0) == g_ids.unsqueeze(1)          # [G, tiles]
+            group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
+            torch.cumsum(onehot.sum(1, dtype=torch.int32) * bm, 0, out=group_start[1:])
+            used = (sv["tile_group"] >= 0).unsqueeze(1)
+            if b2 is not None:
+                part = torch.bmm(sv["row_w"].view(tiles, 1, bm), dog.view(tiles, bm, H).float()).squeeze(1)
+                out[d]["b2"] = onehot.float() @ torch.where(used, part, 0.0)
+                grp = sv["tile_group"].long().repeat_interleave(bm).clamp(min=0)
+                b2_term = torch.gather(dog.float() @ b2[d].t(), 1, grp.unsqueeze(1)).squeeze(1)
+            dw2 = torch.empty_like(w2[d])
+            call(f, "wgrad2", a=dog, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
+            dxs = dcomb[d][T[d] * K:]
+            call(f, "dgrad2", a=dz, w=w1[d], bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"],
+                 meta=sv["meta"], out=dxs, num_ctas=num_ctas)
+            xg = dog   # the dO rows are read: the buffer takes x's rows for wgrad1
+            call(f, "ep_dispatch", x_ptrs=xs.ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"],
+                 meta=sv["meta"], xg=xg)
+            dw1 = torch.empty_like(w1[d])
+            call(f, "wgrad1", a=dz, b=xg, group_start=group_start, out=dw1, num_ctas=num_ctas)
+            if b1 is not None:
+                part = torch.sum(dz.view(tiles, bm, 2 * I), dim=1, dtype=torch.float32)
+                out[d]["b1"] = onehot.float() @ torch.where(used, part, 0.0)
+            out[d]["w1"], out[d]["w2"] = dw1, dw2
+            row_grad[d] = ds.sum(1)   # each row's router gradient: its partials in N-tile order
+            if b2 is not None:   # + <dO row, b2[g]> of the row's group (from the dO rows, before xg reuses them)
+                row_grad[d] = row_grad[d] + b2_term
+            dxs_of[d] = dxs
+        # phase 3: dx rows and router gradients to their owners
+        for d in order:
+            sv, cap = saved.ranks[d], caps[d]
+            call(f, "ep_push", ys=dxs_of[d], row_rank=sv["row_rank"], row_slot=sv["row_slot"], meta=sv["meta"],
+                 slot_ptrs=dslots.ptrs)
+            routed = torch.arange(cap, device=dev) < sv["meta"][2]   # the shared groups' rows come after meta[2]
+            for r in range(n):
+                mine = routed & (sv["row_rank"] == r)
+                idx = torch.where(mine, sv["row_slot"].long(), T[r] * K)
+                dtw_buf[r].scatter_(0, idx, torch.where(mine, row_grad[d], 0.0))
+        # phase 4: each owner's dx: its slots then its shared rows, in order
+        grads = []
+        for r in range(n):
+            dx = torch.empty((T[r], H), dtype=torch.bfloat16, device=dev)
+            if T[r]:
+                call(f, "combine", ys=dcomb[r], slot_pos=saved.ranks[r]["slot_pos"], y=dx)
+            pos = saved.ranks[r]["slot_pos"][:, :K]
+            dtw = torch.where(pos >= 0, dtw_buf[r][:T[r] * K].view(T[r], K), 0.0)
+            grads.append(R.Grads(dx, dtw, out[r]["w1"], out[r]["w2"], out[r].get("b1"), out[r].get("b2")))
+        return grads
+
+
+class EPSaved:
+    """What one :meth:`EPMoE.forward_train` keeps for its backward: per rank (as a destination) its routing
+    workspace (row_rank, row_slot, row_w, tile_group, meta, and as an owner slot_pos) and GEMM 1's z; the
+    receive capacities and token counts."""
+
+    def __init__(self, ranks: list[dict[str, torch.Tensor]], caps: list[int], tokens: list[int]):
+        self.ranks, self.caps, self.tokens = ranks, caps, tokens

@@ -218,3 +218,70 @@ def test_permutations_of_three_ranks():
     moe = _ep_layer(spec, 8)
     outs = [moe(*args, **b, order=list(p)) for p in itertools.permutations(range(3))]
     assert all(torch.equal(torch.cat(o), torch.cat(outs[0])) for o in outs)
+
+
+def _train_layer(spec, bm):
+    return ep_ops.EPMoE(spec, SimpleNamespace(bm=bm, gemm1=SimpleNamespace(a_load="gather")),
+                        functions=ep_ops.reference_ep_kernels(spec, bm, training=True), allow_cpu=True)
+
+
+@pytest.mark.parametrize("kw,tokens,routing", CASES)
+def test_ep_backward_equals_the_gathered_single_gpu_backward(kw, tokens, routing):
+    """A training step of R simulated ranks (forward_train, then backward: dO pulled like x, dx pushed like y,
+    each row's router gradient sent to its owner's slot) against the single-GPU layer's training step on the
+    gathered problem (the same reference kernels): y, dx, the router-weight gradient and every routed expert's
+    dW1 / dW2 bit for bit (bias specs: the router gradient's <dO, b2> term is a matmul of another shape, so
+    within float32 rounding); a shared expert's replicas' gradients summed over the ranks within bf16 rounding of
+    the single layer's."""
+    spec = _spec(**kw)
+    c = R.layer_config(spec)
+    bm, L, S, n = 8, c.local_experts, c.shared_experts, c.ep
+    inp = _inputs(spec, tokens, seed=2, routing=routing)
+    args, b = _args(inp)
+    g = torch.Generator().manual_seed(11)
+    dy = [torch.randn(t, c.hidden, generator=g).bfloat16() for t in tokens]
+    moe = _train_layer(spec, bm)
+    y, saved = moe.forward_train(*args, **b)
+    grads = moe.backward(dy, saved, args[0], args[3], args[4], **b)
+
+    gx, gi, gw, W1, W2, B1, B2, cfg = ep.gather_problem(*inp[:5], spec, inp[5], inp[6])
+    single = CompiledMoE(cfg, bm, functions=R.reference_kernels(cfg, bm, training=True), allow_cpu=True)
+    bb = {} if B1 is None else dict(b1=B1.float().contiguous(), b2=B2.float().contiguous())
+    ys, sv = single.forward_train(gx.contiguous(), gi.int().contiguous(), gw.float().contiguous(), W1.contiguous(),
+                                  W2.contiguous(), **bb)
+    gs = single.backward(torch.cat(dy), sv, gx.contiguous(), gw.float().contiguous(), W1.contiguous(),
+                         W2.contiguous(), **bb)
+    assert torch.equal(torch.cat(y), ys)
+    assert torch.equal(torch.cat([r.x for r in grads]), gs.x)
+    dtw = torch.cat([r.topk_weight for r in grads])
+    if B1 is None:
+        assert torch.equal(dtw, gs.topk_weight)
+    else:
+        assert torch.allclose(dtw, gs.topk_weight, rtol=1e-5, atol=1e-5)
+    for d in range(n):
+        assert torch.equal(grads[d].w1[:L], gs.w1[d * L:(d + 1) * L]), d
+        assert torch.equal(grads[d].w2[:L], gs.w2[d * L:(d + 1) * L]), d
+        if B1 is not None:
+            assert torch.allclose(grads[d].b1[:L], gs.b1[d * L:(d + 1) * L], rtol=1e-5, atol=1e-5)
+            assert torch.allclose(grads[d].b2[:L], gs.b2[d * L:(d + 1) * L], rtol=1e-5, atol=1e-5)
+    for j in range(S):   # the replicas' gradients add up to the single layer's (other summation order)
+        for name in ("w1", "w2"):
+            tot = sum(getattr(grads[d], name)[L + j].float() for d in range(n))
+            want = getattr(gs, name)[n * L + j].float()
+            if want.abs().max() > 0:
+                assert R.rel_err(tot.double(), want.double()) < 2e-2, (name, j)
+    # and a second run gives the same bits, the ranks run in another order
+    y2, saved2 = moe.forward_train(*args, **b, order=list(reversed(range(n))))
+    grads2 = moe.backward(dy, saved2, args[0], args[3], args[4], **b, order=list(reversed(range(n))))
+    for u, v in zip(grads, grads2):
+        for name in ("x", "topk_weight", "w1", "w2", "b1", "b2"):
+            a1, a2 = getattr(u, name), getattr(v, name)
+            assert (a1 is None and a2 is None) or torch.equal(a1, a2), name
+
+
+def test_ep_forward_train_needs_the_training_kernels():
+    spec = _spec()
+    inp = _inputs(spec, [4, 4, 4, 4], seed=3)
+    args, b = _args(inp)
+    with pytest.raises(RuntimeError, match="cannot train"):
+        _ep_layer(spec, 8).forward_train(*args, **b)

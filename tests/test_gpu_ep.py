@@ -103,3 +103,67 @@ def test_gpu_ep_poisoned_buffers_are_overwritten():
     x, idx, wt, w1, w2, _, _ = _cuda(_inputs(spec, [64, 5], seed=9))
     y = layer(x, idx, wt, w1, w2)
     assert all(bool(torch.isfinite(t).all()) for t in y)
+
+
+def _train_layers(spec):
+    """(EPMoE with the training kernels, the single-GPU layer of the gathered problem with every forward and
+    backward GEMM choice of the EP plan pinned)."""
+    key = ("train", spec)
+    if key not in _LAYERS:
+        moe = mokgen.compile(spec)
+        p = moe.plan
+        layer = ep_ops.EPMoE(spec, p, moe.entry_dir)
+        c = R.layer_config(spec)
+        pin = {"gemm1_bn": p.gemm1.bn, "gemm2_bn": p.gemm2.bn, "gemm1_consumer": p.gemm1.consumer,
+               "gemm2_consumer": p.gemm2.consumer, "gemm1_a_load": p.gemm1.a_load}
+        for name in ("dgrad1", "dgrad2", "wgrad1", "wgrad2"):
+            pin[f"{name}_bn"] = getattr(p.backward, name).bn
+        for name in ("dgrad1", "dgrad2"):
+            pin[f"{name}_consumer"] = getattr(p.backward, name).consumer
+        gspec = Spec(**{**spec.to_dict(), "name": spec.name + "-g", "ep": 1, "experts": c.ep * c.local_experts,
+                        "tokens": spec.tokens * c.ep})
+        _LAYERS[key] = (layer, mokgen.compile(gspec, overrides=pin))
+    return _LAYERS[key]
+
+
+@pytest.mark.parametrize("ranks,kw,tokens,routing", CASES)
+def test_gpu_ep_training_step_equals_the_gathered_layer(ranks, kw, tokens, routing):
+    """forward_train + backward of the simulated ranks against the gathered single-GPU layer's training step: y,
+    dx, the router-weight gradient and every routed expert's dW1 / dW2 bit for bit (bias specs: the router
+    gradient's <dO, b2> term within float32 rounding); the shared expert's replicas' gradients summed over the
+    ranks within bf16 rounding; two runs in other rank orders give the same bits; nothing NaN."""
+    spec = _spec(ranks, **kw)
+    layer, single = _train_layers(spec)
+    c = R.layer_config(spec)
+    L, n = c.local_experts, c.ep
+    inp = _cuda(_inputs(spec, tokens, seed=ranks + 10, routing=routing))
+    x, idx, wt, w1, w2, b1, b2 = inp
+    b = {} if b1 is None else dict(b1=b1, b2=b2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dy = [torch.randn(t, c.hidden, generator=g, device="cuda").bfloat16() for t in tokens]
+    y, saved = layer.forward_train(x, idx, wt, w1, w2, **b)
+    grads = layer.backward(dy, saved, x, w1, w2, **b)
+    y2, saved2 = layer.forward_train(x, idx, wt, w1, w2, **b, order=list(reversed(range(n))))
+    grads2 = layer.backward(dy, saved2, x, w1, w2, **b, order=list(reversed(range(n))))
+    for u, v in zip(grads, grads2):
+        for name in ("x", "topk_weight", "w1", "w2", "b1", "b2"):
+            a1, a2 = getattr(u, name), getattr(v, name)
+            assert (a1 is None and a2 is None) or torch.equal(a1, a2), name
+            assert a1 is None or bool(torch.isfinite(a1).all()), name
+    cpu = [[t.cpu() if t is not None else None for t in ts] if ts is not None else None for ts in inp]
+    gx, gi, gw, W1, W2, B1, B2, cfg = ep.gather_problem(*cpu[:5], spec, cpu[5], cpu[6])
+    cu = lambda t: t.cuda().contiguous()   # noqa: E731
+    gb = {} if B1 is None else dict(b1=cu(B1.float()), b2=cu(B2.float()))
+    ys, sv = single.forward_train(cu(gx), cu(gi.int()), cu(gw.float()), cu(W1), cu(W2), **gb)
+    gs = single.backward(torch.cat(dy), sv, cu(gx), cu(gw.float()), cu(W1), cu(W2), **gb)
+    assert torch.equal(torch.cat(y), ys)
+    assert torch.equal(torch.cat([r.x for r in grads]), gs.x)
+    dtw = torch.cat([r.topk_weight for r in grads])
+    assert torch.equal(dtw, gs.topk_weight) if B1 is None else torch.allclose(dtw, gs.topk_weight, rtol=1e-4,
+                                                                               atol=1e-4)
+    for d in range(n):
+        assert torch.equal(grads[d].w1[:L], gs.w1[d * L:(d + 1) * L]) and \
+            torch.equal(grads[d].w2[:L], gs.w2[d * L:(d + 1) * L]), d
+    for name in ("w1", "w2"):
+        tot = sum(getattr(grads[d], name)[L].float() for d in range(n))
+        assert R.rel_err(tot.double().cpu(), getattr(gs, name)[n * L].double().cpu()) < 2e-2, name
