@@ -44,11 +44,12 @@ ARCHS: dict[str, Arch] = {
     "sm_100a": Arch("sm_100a", 148, 232448 - 1024, 65536, 1024, False, True, 2250.0, 8.0, 126 * 2**20,
                     capability=(10, 0), device_bytes=180 * 10**9,
                     ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "tcgen05",
-                                  "clusterlaunchcontrol"), templates=True,
+                                  "clusterlaunchcontrol", "block_scale"), templates=True,
                     training=True,
-                    note="sm_100a: the forward and the backward (tcgen05 GEMMs; routing, gather, combine) in BF16, the "
-                         "forward in MXFP8 (dtype mxfp8: block-scaled tcgen05 GEMMs, quantizers), compiled here and "
-                         "never run on a Blackwell GPU: no correctness or speed claim on hardware"),
+                    note="sm_100a: the forward and the backward (tcgen05 GEMMs; routing, gather, combine) in BF16 and "
+                         "in MXFP8 (dtype mxfp8: block-scaled tcgen05 forward GEMMs and dgrads, quantizers; BF16 "
+                         "weight gradients), compiled here and never run on a Blackwell GPU: no correctness or speed "
+                         "claim on hardware"),
 }
 ARCH_NAMES: tuple[str, ...] = tuple(ARCHS)
 

@@ -434,7 +434,8 @@ def build(sources: Any, arch: str, out_dir: str | os.PathLike, jobs: int | None 
 
 def ptx_report(artifacts: Artifacts | str | os.PathLike) -> dict[str, dict[str, bool]]:
     """``{kernel: {feature: present}}`` for the PTX of each kernel: ``wgmma.mma_async``,
-    ``cp.async.bulk.tensor``, ``mbarrier`` (and ``tcgen05`` for sm_100a), plus ``target`` (the PTX names the
+    ``cp.async.bulk.tensor``, ``mbarrier`` (and for sm_100a ``tcgen05``, ``clusterlaunchcontrol`` and
+    ``block_scale``: the MXFP8 GEMMs' ``tcgen05.mma ... kind::mxf8f6f4.block_scale``), plus ``target`` (the PTX names the
     arch). Accepts :class:`Artifacts` or a directory (build dir or cache entry)."""
     if isinstance(artifacts, Artifacts):
         d, arch, kernels = artifacts.dir, artifacts.arch, list(artifacts.kernels)

@@ -249,7 +249,7 @@ def _print_ptx_report(report: dict[str, dict[str, bool]]) -> None:
         return
     feats = [f for f in next(iter(report.values())) if f != "target"]
     short = {"wgmma.mma_async": "wgmma", "cp.async.bulk.tensor": "tma", "mbarrier": "mbarrier",
-             "tcgen05": "tcgen05"}
+             "tcgen05": "tcgen05", "block_scale": "block-scaled mma"}
     rows = [[k] + ["yes" if r.get(f) else "-" for f in feats] + ["yes" if r.get("target") else "NO"]
             for k, r in report.items()]
     _out(_table(["kernel"] + [short.get(f, f) for f in feats] + ["target arch"], rows))

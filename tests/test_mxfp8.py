@@ -270,6 +270,18 @@ def test_bf16_kernels_keep_their_form():
         render_quant_mx(_mx_plan(), "quant_mx_x")
 
 
+def test_runtime_refuses_mxfp8():
+    """mokgen/ops.py has no MXFP8 launches: a layer over an mxfp8 plan is refused in one line, not run with the
+    BF16 calls (which would not fit the MXFP8 kernels' arguments, and would compute BF16 with reference kernels)."""
+    from mokgen import reference as ref
+    from mokgen.ops import CompiledMoE
+
+    plan = _mx_plan()
+    fns = ref.reference_kernels(ref.layer_config(plan.spec), plan.bm, gather=True, training=True)
+    with pytest.raises(NotImplementedError, match=r"dtype mxfp8 has no runtime launches yet"):
+        CompiledMoE(plan.spec, plan, functions=fns, allow_cpu=True, arch="sm_100a")
+
+
 # ---- the quantizers' arithmetic, emulated in torch with the kernel's formulas
 
 
@@ -330,11 +342,13 @@ def boundary_rows(K: int) -> torch.Tensor:
     return blocks.view(rows, K).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("K", [128, 512])
-def test_quantizer_math_equals_quantize_mx(K):
+@pytest.mark.parametrize("K,name", [(128, "quant_mx_used"), (512, "quant_mx_used"), (512, "quant_mx_dz")])
+def test_quantizer_math_equals_quantize_mx(K, name):
     from mokgen.emit_sm100 import render_quant_mx
 
-    text = render_quant_mx(_mx_plan(), "quant_mx_used")
+    text = render_quant_mx(_mx_plan(), name)
+    # quant_mx_dz: the bounded form over dz's 2I columns (dgrad2's A); quant_mx_used over h's I
+    assert f"K_DIM = {2 * 512 if name == 'quant_mx_dz' else 512} " in text
     x = boundary_rows(K)
     x = torch.cat([x, torch.randn(-x.shape[0] % 128 + 256, K).to(torch.bfloat16)])   # whole atoms (rows % 128 == 0)
     q, sf = emulate_quantizer(text, x)
@@ -386,6 +400,96 @@ def test_w1_quantizer_writes_concat_order(layout):
     assert torch.equal(sf, fp8.pack_mx_scales(er.reshape(G * 2, I, H // 32)).flatten())
 
 
+# ---- the backward's weight copies: the column form (quant_mx_w2_cols, quant_mx_w1_cols), 32-blocks down W's columns
+
+
+def cols_offsets(text: str, g, c, rb, r_blocks: int, sf_group: int) -> torch.Tensor:
+    """The rendered column quantizer's code offsets (its `off = ...` expression on tensors): group g, scale row c
+    (w's column), K block rb (w's 32-row block)."""
+    expr = _template_expr(text, "off = ")
+    return eval(expr, {"g": g, "row": c, "kb": rb, "K_BLOCKS": r_blocks, "SF_GROUP": sf_group, "SF_ROWS": 128,
+                       "SF_ATOM": 512})
+
+
+def emulate_cols_quantizer(text: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column quantizer's math on the CPU for w [G, R, C] bf16: per (group, 32 rows, column) block its amax,
+    code and inverse (kernel_e8m0), q = e4m3(w * inv) in w's layout, the code bytes at the kernel's offsets."""
+    G, R, C = w.shape
+    wf = w.float().view(G, R // 32, 32, C)
+    c, inv = kernel_e8m0(wf.abs().amax(2))                                 # [G, R / 32, C]
+    q = fp8.to_e4m3(wf * inv.unsqueeze(2)).view(G, R, C).view(torch.uint8)
+    sf = torch.full((G * C * R // 32,), 255, dtype=torch.uint8)              # 255: never written
+    off = cols_offsets(text, torch.arange(G).view(-1, 1, 1), torch.arange(C).view(1, 1, -1),
+                       torch.arange(R // 32).view(1, -1, 1), R // 32, C * R // 32)
+    sf[off] = c.to(torch.uint8)
+    return q, sf
+
+
+def _cols_weights(G: int, R: int, C: int) -> torch.Tensor:
+    """w [G, R, C] bf16 whose column blocks (32 rows of one column) have amax on every binade edge, zero blocks,
+    subnormals, values that round half-way and saturate (boundary_rows, turned so its blocks run down columns)."""
+    b = boundary_rows(R)                                                     # [n, R], blocks along R
+    n = G * C
+    b = torch.cat([b] * -(-n // b.shape[0]))[:n] if b.shape[0] < n else b[:n]
+    g = torch.Generator().manual_seed(5)
+    b = b[torch.randperm(n, generator=g)]
+    return b.view(G, C, R).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("name,layout", [("quant_mx_w2_cols", "concat"), ("quant_mx_w1_cols", "concat"),
+                                         ("quant_mx_w1_cols", "interleaved")])
+def test_cols_quantizer_math_equals_quantize_mx(name, layout):
+    """The column form (the dgrads' W copies) emulated with its rendered formulas equals mokgen.fp8.quantize_mx of
+    each group's transposed matrix, W[g].mT (its K = W's rows), bit for bit: q in W's layout (q.mT of the
+    reference), the codes at pack_mx_scales' bytes of the [C, R / 32] scale matrix, group after group."""
+    from mokgen.emit_sm100 import render_quant_mx
+
+    plan = _mx_plan(hidden=256, ffn=384, gate_up_layout=layout)
+    text = render_quant_mx(plan, name)
+    G, H, I = plan.spec.groups, 256, 384
+    R, C = (H, I) if name == "quant_mx_w2_cols" else (2 * I, H)
+    assert f"R_ROWS = {R} " in text and f"C_COLS = {C} " in text and "INTERLEAVE" not in text
+    w = _cols_weights(G, R, C)
+    q, sf = emulate_cols_quantizer(text, w)
+    qr, er = fp8.quantize_mx(w.transpose(1, 2))                              # [G, C, R], [G, C, R / 32]
+    assert torch.equal(q, qr.view(torch.uint8).transpose(1, 2))
+    assert torch.equal(sf, fp8.pack_mx_scales(er).flatten())                 # every byte written, in place
+    assert {0, 127}.issubset(set(er.flatten().tolist()))
+    # the same codes read the other way (blocks along C, the forward's direction) are a different quantization
+    _, er_rows = fp8.quantize_mx(w)
+    assert not torch.equal(sf, fp8.pack_mx_scales(er_rows).flatten())
+
+
+@pytest.mark.parametrize("which", ["dgrad1", "dgrad2"])
+def test_dgrad_operands_give_the_dequantized_product(which):
+    """The dgrads' MXFP8 operands as the kernels write and read them: A by the row quantizers (dgrad1: dO's rows
+    along H, quant_mx_gather's formulas; dgrad2: dz along 2I, quant_mx_dz's), B by the column quantizer in W's
+    layout; a float64 block-scaled GEMM reading B MN-major (element (n, k) of group g at g*K*N + k*N + n) and both
+    scale buffers by the GEMMs' SF views (mx_sf_offset over (rows, K), group g's block of mx_sf_bytes(N, K / 32):
+    tile_atom_to_shape_SF, test_offset_is_the_dsl_layout) equals the float64 product of the dequantized operands
+    (fp8.gemm_mx_f64 with W[g]'s K along its rows), for every group."""
+    from mokgen.emit_sm100 import render_quant_mx
+
+    plan = _mx_plan(hidden=256, ffn=128, gate_up_layout="interleaved")
+    G, H, I = plan.spec.groups, 256, 128
+    K, N = (H, I) if which == "dgrad1" else (2 * I, H)
+    a = _operand(130, K, 7)
+    w = torch.stack([_operand(K, N, 20 + g) for g in range(G)])             # [G, K, N]: W2 [G, H, I] / W1 [G, 2I, H]
+    qa, sfa = emulate_quantizer(render_quant_mx(plan, "quant_mx_gather" if which == "dgrad1" else "quant_mx_dz"),
+                                torch.cat([a, torch.zeros(126, K, dtype=torch.bfloat16)]))
+    qw, sfw = emulate_cols_quantizer(render_quant_mx(plan, f"quant_mx_w{2 if which == 'dgrad1' else 1}_cols"), w)
+    qa_r, ea_r = fp8.quantize_mx(a)
+    for g in range(G):
+        b_nk = qw[g].T.contiguous()                                          # the UMMA's (N, K) view of the bytes
+        got = emulated_block_scaled_gemm(qa[:130], sfa, b_nk, sfw[g * fp8.mx_sf_bytes(N, K // 32):], K)
+        qb_r, eb_r = fp8.quantize_mx(w[g].T)
+        want = fp8.gemm_mx_f64(qa_r, ea_r, qb_r, eb_r)
+        assert torch.allclose(got, want, rtol=1e-12, atol=0), g
+        # and near the exact product: MXFP8's error (e4m3: 3 mantissa bits), not a layout's
+        exact = a.double() @ w[g].double()
+        assert (got - exact).norm() / exact.norm() < 0.08, g
+
+
 # ---- compiled for sm_100a
 
 
@@ -413,13 +517,13 @@ def test_mxfp8_kernels_compile_for_sm100a(mx_built):
     from mokgen import build
 
     plan, art = mx_built
-    assert art.kernels == MX_KERNELS
+    assert art.kernels == tuple(sorted(MX_KERNELS + MX_TRAIN))
     report = build.ptx_report(art)
-    for k in ("gemm1", "gemm2"):
+    for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2"):
         ptx = (Path(art.dir) / f"{k}.ptx").read_text()
         assert report[k]["target"] and report[k]["tcgen05"] and report[k]["cp.async.bulk.tensor"], (k, report[k])
-        parts = 2 if k == "gemm1" else 1
-        g = getattr(plan, k)
+        parts = 2 if k.startswith("gemm1") else 1
+        g = getattr(plan.backward, k) if k.startswith("dgrad") else plan.gemm1 if parts == 2 else plan.gemm2
         mma = re.findall(r"tcgen05\.mma\.\S+", ptx)
         assert mma and set(mma) == {"tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32.collector::a::discard"}
         cps = re.findall(r"tcgen05\.cp\.\S+", ptx)
@@ -436,12 +540,20 @@ def test_mxfp8_kernels_compile_for_sm100a(mx_built):
         assert loads[2] > 0 and (loads[2], loads[3], loads[4]) == (
             (loads[2], loads[2], 4 * loads[2]) if parts == 2 else (loads[2], 2 * loads[2], loads[2])), loads
         assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
-        # the instruction descriptor (PTX ISA, kind::mxf8f6f4): A / B e4m3 (bits 7-12 zero), both K-major (bits
-        # 15, 16 clear), N >> 3 in bits 17-22, e8m0 scales (bit 23), M = 128 (bits 24-28: 128 >> 4)
+        # the instruction descriptor (PTX ISA, kind::mxf8f6f4): A / B e4m3 (bits 7-12 zero), A K-major (bit 15
+        # clear), B K-major (bit 16 clear) in the forward GEMMs and MN-major (bit 16 set: W read N-major) in the
+        # dgrads, N >> 3 in bits 17-22, e8m0 scales (bit 23), M = 128 (bits 24-28: 128 >> 4)
         d = _desc_base(ptx)
-        assert (d >> 7) & 0x3F == 0 and not d & (3 << 15), hex(d)
+        assert (d >> 7) & 0x3F == 0 and not d & (1 << 15), hex(d)
+        assert bool(d & (1 << 16)) == k.startswith("dgrad"), (k, hex(d))
         assert (d >> 17) & 0x3F == (g.bn // parts) >> 3 and d >> 23 & 1 and (d >> 24) & 0x1F == 128 >> 4, hex(d)
-    for k in kernels.MX_QUANT_KERNELS:
+        if k == "dgrad1":   # the BF16 dgrad1's epilogue: per 32-column slice a thread's z runs in and dz runs out
+            slices = g.bn // 32   # as 16-byte vectors (gate and up: 4 each), one ds value per row and tile
+            assert ptx.count("ld.global.v4") == 2 * 4 * slices and ptx.count("st.global.v4") == 2 * 4 * slices
+            assert ptx.count("st.global.b32") == 1 and ptx.count("ex2.approx") >= g.bn
+        if k == "gemm1_train":   # z from registers, 16-byte vectors
+            assert ptx.count("st.global.v4") == 2 * 4 * (g.bn // 2 // 32), k
+    for k in tuple(kernels.MX_QUANT_KERNELS) + ("quant_mx_dz",):
         ptx = (Path(art.dir) / f"{k}.ptx").read_text()
         assert re.search(r"^\.target\s+sm_100a\b", ptx, re.M)
         # 16 elements a lane: 8 cvt (2 a cvt), two 16-byte loads, one 16-byte store of e4m3 and one byte of code
@@ -449,12 +561,20 @@ def test_mxfp8_kernels_compile_for_sm100a(mx_built):
         assert ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 1, k
         assert ptx.count("st.global.b8") == 1 and "shfl.sync.bfly" in ptx, k
         assert ".ftz" not in ptx and "div." not in ptx and "rcp." not in ptx, k
+    for k in ("quant_mx_w1_cols", "quant_mx_w2_cols"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        # 8 columns x 32 rows a thread: 32 16-byte loads, 128 cvt (2 a cvt), 32 8-byte stores of e4m3, 8 code bytes
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 128, k
+        assert ptx.count("ld.global.v4.b32") == 32 and ptx.count("st.global.v2.b32") == 32, k
+        assert ptx.count("st.global.b8") == 8 and "shfl" not in ptx, k
+        assert ".ftz" not in ptx and "div." not in ptx and "rcp." not in ptx, k
 
 
 @pytest.mark.slow
 def test_mokgen_compile_mxfp8_spec(tmp_path, monkeypatch, capsys):
-    """`mokgen compile tools/specs/kimi-k2-mxfp8.yaml --arch sm_100a` builds the eight forward kernels and reports
-    tcgen05 in both GEMMs."""
+    """`mokgen compile tools/specs/kimi-k2-mxfp8.yaml --arch sm_100a` builds the training entry (the eight forward
+    kernels and eleven of the backward) and reports tcgen05 in every GEMM; its PTX holds the block-scaled MMA in the
+    forward GEMMs and the dgrads, the bf16 kind::f16 MMA in the weight gradients."""
     pytest.importorskip("cutlass")
     from mokgen import cli
 
@@ -462,11 +582,24 @@ def test_mokgen_compile_mxfp8_spec(tmp_path, monkeypatch, capsys):
     spec = Path(__file__).resolve().parent.parent / "tools" / "specs" / "kimi-k2-mxfp8.yaml"
     assert cli.main(["compile", str(spec), "--arch", "sm_100a", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "kimi-k2-mxfp8 sm_100a: 8 kernel(s)" in out
-    for k in MX_KERNELS:
+    assert "kimi-k2-mxfp8 sm_100a: 19 kernel(s)" in out
+    for k in MX_KERNELS + MX_TRAIN:
         assert re.search(rf"^{k}\s", out, re.M), k
-    for k in ("gemm1", "gemm2"):
-        assert re.search(rf"^{k}\s+-\s+yes\s+yes\s+yes\s+yes", out, re.M), out
+    # columns: wgmma, tma, mbarrier, tcgen05, clusterlaunchcontrol, block-scaled mma, target arch
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.split() and line.split()[0] in MX_KERNELS + MX_TRAIN}
+    assert "block-scaled mma" in out
+    for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2"):
+        assert rows[k] == ["-", "yes", "yes", "yes", "yes", "yes", "yes"], (k, rows[k])
+    for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc"):   # BF16 weight gradients: kind::f16
+        assert rows[k] == ["-", "yes", "yes", "yes", "yes", "-", "yes"], (k, rows[k])
+    assert all(r[-1] == "yes" for r in rows.values()) and "in MXFP8" in out
+    entry = next(Path(tmp_path).glob("sm_100a/*/meta.json")).parent
+    for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2"):
+        assert "kind::mxf8f6f4.block_scale" in (entry / f"{k}.ptx").read_text(), k
+    for k in ("wgrad1", "wgrad2"):
+        ptx = (entry / f"{k}.ptx").read_text()
+        assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "block_scale" not in ptx, k
 
 
 def test_mokgen_compile_api_refuses_mxfp8_before_building(monkeypatch, tmp_path):
