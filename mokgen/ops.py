@@ -469,6 +469,11 @@ class CompiledMoE:
         self.name = str(getattr(spec, "name", None) or (spec.get("name") if isinstance(spec, Mapping) else None)
                         or "moe")
         self.bm = _bm_of(plan)
+        if self.cfg.dtype == "mxfp8":   # its kernels take e4m3 operands and packed scales: the bf16 calls below would
+            raise NotImplementedError(  # not fit them (and reference kernels would compute BF16 silently)
+                f"mokgen {self.name}: dtype mxfp8 has no runtime launches yet (issue 20): its sm_100a kernels "
+                "(forward and backward) compile (mokgen.compile / `mokgen compile --arch sm_100a`), but "
+                "mokgen/ops.py launches the BF16 and blockwise-FP8 kernel sets only")
         self.entry_dir = Path(entry_dir) if entry_dir is not None else None
         meta = _read_entry_meta(self.entry_dir)
         self.arch = arch or meta.get("arch")
