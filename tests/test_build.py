@@ -162,7 +162,7 @@ def test_sm100a(tmp_path: Path) -> None:
     art = build.build({"scale.py": toy("scale"), "toy_common.py": "FACTOR = 2.0\n"}, "sm_100a", tmp_path, jobs=1)
     assert ".target sm_100a" in (tmp_path / "scale.ptx").read_text()
     assert set(build.ptx_report(art)["scale"]) == {"wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier",
-                                                    "tcgen05", "clusterlaunchcontrol", "target"}
+                                                    "tcgen05", "clusterlaunchcontrol", "block_scale", "target"}
     assert build.ptx_report(art)["scale"]["target"] is True
 
 
