@@ -279,11 +279,6 @@ def compile(spec: Any, arch: str | None = None, force: bool = False, overrides: 
             return moe
     # an arch that does not resolve goes on as given: prepare raises its ArchError
     spec, arch, plan, sources, info = prepare(spec, arch_r or arch, overrides, with_info=True)
-    if getattr(spec, "dtype", "bf16") == "mxfp8":   # before any build: nothing here could run the entry
-        raise NotImplementedError(
-            f"mokgen.compile: {spec.name}: dtype mxfp8 kernels build (`mokgen compile SPEC --arch {arch}`, and "
-            "`mokgen cache pack` carries them), but the runtime has no MXFP8 launch sequence yet (issue 20): "
-            "nothing can run them through mokgen.compile / mokgen.MoE")
     if info is not None and info[1] is not None and len(info[1].pieces) > 1:  # a tuned piecewise plan
         rec, pw, _where = info
         pieces = [(piece.lo, piece.hi, _load(spec, arch, tuned_plan(spec, arch, rec, pw, piece), force))

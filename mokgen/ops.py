@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import fp8_ops, reference
+from . import fp8_ops, mx_ops, reference
 from .arch import ARCHS
 from .kernels import call
 from .reference import LayerConfig, layer_config
@@ -103,7 +103,8 @@ def cap_rows(tokens: int, topk: int, shared: int, groups: int, bm: int) -> int:
 def uses_gather_kernel(plan: Any) -> bool:
     """True when the plan's GEMM 1 reads pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel,
     instead of gathering rows of x itself (a_load "gather", the default)."""
-    return getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma" and not is_fp8(plan)
+    return (getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma" and not is_fp8(plan)
+            and not is_mxfp8(plan))   # the FP8 / MXFP8 forwards gather x's rows in their quantizer
 
 
 def is_fused(plan: Any) -> bool:
@@ -121,6 +122,11 @@ def kernels_of(plan: Any) -> tuple[str, ...]:
     if is_fused(plan):
         return FUSED_KERNELS
     fp8 = FP8_KERNELS if is_fp8(plan) else ()
+    if is_mxfp8(plan):   # x's rows gathered by quant_mx_gather; the training entry adds gather (bf16 rows for the
+        if has_training(plan):   # BF16 weight gradients) and the backward's quantizers
+            return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + MX_KERNELS + TRAIN_KERNELS \
+                + MX_TRAIN_KERNELS
+        return KERNELS + MX_KERNELS
     if has_training(plan):
         return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + fp8 + TRAIN_KERNELS
     if fp8:
@@ -413,6 +419,47 @@ def is_fp8(plan: Any) -> bool:
     return getattr(getattr(plan, "spec", None), "dtype", "bf16") == "fp8"
 
 
+# ---- MXFP8 operands (spec dtype "mxfp8", sm_100a): e4m3 with e8m0 codes per 32 along K, packed in SF atoms, by
+# the quant_mx_* kernels (mokgen/mx_ops.py); the forward's and the backward's (the weights' column forms, dz)
+MX_KERNELS = mx_ops.MX_FORWARD_QUANT
+MX_TRAIN_KERNELS = mx_ops.MX_BACKWARD_QUANT
+
+
+def is_mxfp8(plan: Any) -> bool:
+    """Does the plan's spec run MXFP8 (dtype "mxfp8")?"""
+    return getattr(getattr(plan, "spec", None), "dtype", "bf16") == "mxfp8"
+
+
+class _MxWeights:
+    """The MXFP8 copies of the BF16 master weights, per (weight tensor, quantizer kernel): ``quant_mx_w1`` /
+    ``quant_mx_w2`` (the forward GEMMs' K-major form) and ``quant_mx_w1_cols`` / ``quant_mx_w2_cols`` (the
+    dgrads' column form), re-made when the tensor's version counter, storage or shape changes, as
+    :class:`_Fp8Weights`; keyed weakly by the tensor object; nothing cached inside a CUDA-graph capture."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[int, str], tuple] = {}   # (id(w), kernel) -> (weakref to w, key, (q, sf))
+
+    def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kernel: str) -> tuple:
+        import weakref
+
+        make = mx_ops.quantize_w_cols if kernel.endswith("_cols") else mx_ops.quantize_w
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return make(fns, w, kernel)
+        key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        hit = self._by_key.get((id(w), kernel))
+        if hit is not None and hit[0]() is w and hit[1] == key:
+            return hit[2]
+        made = make(fns, w.detach(), kernel)
+        by_key = self._by_key
+
+        def drop(ref, k=(id(w), kernel)):
+            if k in by_key and by_key[k][0] is ref:
+                del by_key[k]
+
+        by_key[(id(w), kernel)] = (weakref.ref(w, drop), key, made)
+        return made
+
+
 class _Fp8Weights:
     """The e4m3 copies of the BF16 master weights one CompiledMoE has been called with, per weight tensor:
     re-quantized when the tensor's version counter (bumped by every in-place update, ``optimizer.step()``
@@ -469,11 +516,11 @@ class CompiledMoE:
         self.name = str(getattr(spec, "name", None) or (spec.get("name") if isinstance(spec, Mapping) else None)
                         or "moe")
         self.bm = _bm_of(plan)
-        if self.cfg.dtype == "mxfp8":   # its kernels take e4m3 operands and packed scales: the bf16 calls below would
-            raise NotImplementedError(  # not fit them (and reference kernels would compute BF16 silently)
-                f"mokgen {self.name}: dtype mxfp8 has no runtime launches yet (issue 20): its sm_100a kernels "
-                "(forward and backward) compile (mokgen.compile / `mokgen compile --arch sm_100a`), but "
-                "mokgen/ops.py launches the BF16 and blockwise-FP8 kernel sets only")
+        self.mx = self.cfg.dtype == "mxfp8"
+        if self.mx != is_mxfp8(plan):   # the launches follow the spec's dtype, the kernel set the plan's
+            raise ValueError(f"mokgen {self.name}: the spec's dtype is {self.cfg.dtype!r} but the plan's is "
+                             f"{getattr(getattr(plan, 'spec', None), 'dtype', None)!r}: an MXFP8 layer needs the "
+                             "plan of its mxfp8 spec (its kernel set), and an mxfp8 plan an mxfp8 spec")
         self.entry_dir = Path(entry_dir) if entry_dir is not None else None
         meta = _read_entry_meta(self.entry_dir)
         self.arch = arch or meta.get("arch")
@@ -490,8 +537,9 @@ class CompiledMoE:
         if missing:
             raise ValueError(f"functions lacks kernel(s) {missing}")
         # training needs the training kernels (a built entry of a chain plan has them; injected functions may)
-        self.trainable = not self.fused and all(n in functions for n in TRAIN_KERNELS + (GATHER_KERNEL,))
-        self._fns = {n: functions[n] for n in self.kernels + (TRAIN_KERNELS + (GATHER_KERNEL,) if self.trainable else ())}
+        train = TRAIN_KERNELS + (GATHER_KERNEL,) + (MX_TRAIN_KERNELS if self.mx else ())
+        self.trainable = not self.fused and all(n in functions for n in train)
+        self._fns = {n: functions[n] for n in self.kernels + (train if self.trainable else ())}
         backward = getattr(plan, "backward", None)
         # dgrad1's router-gradient partials: one column per N tile of its plan (reference kernels: one)
         self.ds_tiles = backward.dgrad1.n_tiles if backward is not None else 1
@@ -506,6 +554,7 @@ class CompiledMoE:
         self._masked_view: "CompiledMoE | None" = None
         self.fp8 = self.cfg.dtype == "fp8"
         self._fp8_weights = _Fp8Weights()
+        self._mx_weights = _MxWeights()
         self._registry_id = next(_IDS)
         _REGISTRY[self._registry_id] = self
 
@@ -785,6 +834,9 @@ class CompiledMoE:
             if self.fp8:
                 self._fp8_gemms(a, w1, w2, b1_, b2_, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.h, ws.ys,
                                 num_ctas)
+            elif self.mx:
+                self._mx_gemms(a, w1, w2, b1_, b2_, ws.row_src, ws.row_w, ws.tile_group, ws.meta, ws.h, ws.ys,
+                               num_ctas)
             else:
                 call(f, "gemm1", a=a, w=w1, bias=b1_, row=ws.row_src, tile_group=ws.tile_group, meta=ws.meta,
                      out=ws.h, num_ctas=num_ctas)
@@ -811,6 +863,25 @@ class CompiledMoE:
         hq, hs = fp8_ops.quantize_used_rows(f, h, meta)
         call(f, "gemm2", table="gemm2_fp8", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
              sa=hs, sb=w2s, out=ys, num_ctas=num_ctas)
+
+    def _mx_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None) -> None:
+        """The MXFP8 forward GEMMs: x's rows gathered and quantized along H into the padded row space
+        (quant_mx_gather), the weights' MXFP8 copies (quant_mx_w1 / quant_mx_w2, :class:`_MxWeights`), GEMM 1 -> h
+        (bf16; with ``z``, the training form saving z), h's used rows quantized along I (quant_mx_used), GEMM 2 ->
+        ys."""
+        f = self._fns
+        xq, xsf = mx_ops.quantize_gathered_rows(f, x, row_src, meta)
+        w1q, w1sf = self._mx_weights.get(f, w1, "quant_mx_w1")
+        w2q, w2sf = self._mx_weights.get(f, w2, "quant_mx_w2")
+        if z is None:
+            call(f, "gemm1", table="gemm1_mx", a=xq, w=w1q, bias=b1, row=row_src, tile_group=tile_group, meta=meta,
+                 sfa=xsf, sfw=w1sf, out=h, num_ctas=num_ctas)
+        else:
+            call(f, "gemm1_train", table="gemm1_train_mx", a=xq, w=w1q, bias=b1, row=row_src,
+                 tile_group=tile_group, meta=meta, sfa=xsf, sfw=w1sf, out=h, z=z, num_ctas=num_ctas)
+        hq, hsf = mx_ops.quantize_used_rows(f, h, meta)
+        call(f, "gemm2", table="gemm2_mx", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
+             sfa=hsf, sfw=w2sf, out=ys, num_ctas=num_ctas)
 
     def _after_call(self, st: "_DeviceState", ws: Workspace, topk_idx: torch.Tensor, check: bool,
                     y: torch.Tensor) -> torch.Tensor:
@@ -844,14 +915,19 @@ class CompiledMoE:
         if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step)
             fwd = ("routing", "quant_rows_gather", "gemm1_train" if training else "gemm1", "quant_rows_used", "gemm2",
                    "combine")
+        elif self.mx:   # likewise quant_mx_w1 / quant_mx_w2 (and the backward's quant_mx_w*_cols)
+            fwd = ("routing", "quant_mx_gather", "gemm1_train" if training else "gemm1", "quant_mx_used", "gemm2",
+                   "combine")
         else:
             fwd = ("routing",) + (("gather",) if self.gather else ()) + ("gemm1_train" if training else "gemm1",
                                                                           "gemm2", "combine")
         if not training:
             return fwd
-        q = self.fp8   # FP8: dO's rows quantized before dgrad1, dz's used rows before dgrad2 (the wgrads are bf16)
-        head = ("gather_dO",) + (("quant_rows_gather",) if q else ()) + ("dgrad1",)
-        dgrad2 = (("quant_rows_used",) if q else ()) + ("dgrad2", "combine_dx")
+        # FP8 / MXFP8: dO's rows quantized before dgrad1, dz's used rows before dgrad2 (the wgrads are bf16)
+        q_dO = ("quant_rows_gather",) if self.fp8 else ("quant_mx_gather",) if self.mx else ()
+        q_dz = ("quant_rows_used",) if self.fp8 else ("quant_mx_dz",) if self.mx else ()
+        head = ("gather_dO",) + q_dO + ("dgrad1",)
+        dgrad2 = q_dz + ("dgrad2", "combine_dx")
         if self._bwd_streams == 2:   # host order: the side stream's weight gradients are launched first
             return fwd + head + ("wgrad2", "gather_x", "wgrad1") + dgrad2
         return fwd + head + ("wgrad2",) + dgrad2 + ("gather_x", "wgrad1")
@@ -912,6 +988,9 @@ class CompiledMoE:
             if self.fp8:
                 self._fp8_gemms(a, w1, w2, b1_, b2_, sv.row_src, sv.row_w, sv.tile_group, sv.meta, h, ys, num_ctas,
                                 z=sv.z)
+            elif self.mx:
+                self._mx_gemms(a, w1, w2, b1_, b2_, sv.row_src, sv.row_w, sv.tile_group, sv.meta, h, ys, num_ctas,
+                               z=sv.z)
             else:
                 call(f, "gemm1_train", a=a, w=w1, bias=b1_, row=sv.row_src, tile_group=sv.tile_group, meta=sv.meta,
                      out=h, z=sv.z, num_ctas=num_ctas)
@@ -989,6 +1068,11 @@ class CompiledMoE:
                 w2t, w2ts = self._fp8_weights.get(f, w2, transpose=True)[2:]
                 call(f, "dgrad1", table="dgrad1_fp8", a=dq, w=w2t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
                      meta=sv.meta, sa=dsc, sb=w2ts, out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
+            elif self.mx:   # dO's rows gathered and quantized along H; W2's column form (32-blocks along H)
+                dq, dsf = mx_ops.quantize_gathered_rows(f, dy, sv.row_src, sv.meta)
+                w2c, w2csf = self._mx_weights.get(f, w2, "quant_mx_w2_cols")
+                call(f, "dgrad1", table="dgrad1_mx", a=dq, w=w2c, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
+                     meta=sv.meta, sfa=dsf, sfw=w2csf, out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
             else:
                 call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta,
                      out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
@@ -1023,6 +1107,11 @@ class CompiledMoE:
                 w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True)[2:]
                 call(f, "dgrad2", table="dgrad2_fp8", a=dzq, w=w1t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
                      meta=sv.meta, sa=dzs, sb=w1ts, out=dxs, num_ctas=num_ctas)
+            elif self.mx:   # dz's used rows quantized along 2I; W1's column form (32-blocks along 2I)
+                dzq, dzsf = mx_ops.quantize_used_rows(f, dz, sv.meta, kernel="quant_mx_dz")
+                w1c, w1csf = self._mx_weights.get(f, w1, "quant_mx_w1_cols")
+                call(f, "dgrad2", table="dgrad2_mx", a=dzq, w=w1c, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
+                     meta=sv.meta, sfa=dzsf, sfw=w1csf, out=dxs, num_ctas=num_ctas)
             else:
                 call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta,
                      out=dxs, num_ctas=num_ctas)

@@ -41,6 +41,8 @@ __all__ = [
     "forward",
     "backward",
     "backward_autograd",
+    "forward_mx",
+    "backward_mx",
     "Grads",
     "MoEInputs",
     "random_inputs",
@@ -79,7 +81,8 @@ class LayerConfig:
     swiglu_limit: float | None = None
     gate_up_layout: str = "concat"
     bias: bool = False
-    dtype: str = "bf16"   # "fp8": the forward GEMMs read e4m3 operands with blockwise scales (gemm*_fp8 tables)
+    dtype: str = "bf16"   # "fp8": the forward GEMMs read e4m3 operands with blockwise scales (gemm*_fp8 tables);
+    #                       "mxfp8": e4m3 with e8m0 codes per 32 along K, packed (gemm*_mx tables, sm_100a)
 
     @property
     def local_experts(self) -> int:
@@ -294,6 +297,54 @@ def forward_fp8(x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None,
     return y.to(out_dtype or dtype)
 
 
+def _mx_values(t: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """t quantized by mokgen.fp8.quantize_mx along its last dim (32-blocks), dequantized exactly in ``dtype``."""
+    from . import fp8
+
+    return fp8.dequantize_mx(*fp8.quantize_mx(t), out_dtype=dtype)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def _mx_operands(x, w1, w2, dtype):
+    """x, W1, W2 dequantized from their MXFP8 forward forms (32-blocks along H, H, I: rows of each)."""
+    return _mx_values(x, dtype), _mx_values(w1, dtype), _mx_values(w2, dtype)
+
+
+def forward_mx(x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None, dtype=torch.float64,
+               out_dtype=None) -> torch.Tensor:
+    """The MXFP8 forward's ground truth (spec dtype "mxfp8"), in ``dtype``: x's rows and the weights' rows
+    quantized by :func:`mokgen.fp8.quantize_mx` (32-blocks along K) and dequantized exactly, the layer run on those
+    values; between the GEMMs h is rounded to bf16 and quantized along I (the kernels store h in bf16 and
+    quant_mx_used quantizes it). What the MXFP8 kernels compute up to their accumulation order. Not
+    differentiable (:func:`backward_mx` is its training step's reference)."""
+    cfg = layer_config(spec_or_cfg)
+    T, H, G, I, K, E, S = _check_shapes(x, topk_idx, topk_weight, w1, w2, b1, b2, cfg)
+    xd, w1d, w2d = _mx_operands(x, w1, w2, dtype)
+
+    def expert(xg, g):
+        z = xg @ w1d[g].t()
+        if b1 is not None:
+            z = z + b1[g].to(dtype)
+        gate, up = _split_gate_up(z, cfg.gate_up_layout)
+        o = _mx_values(_bf16(_activation(gate, up, cfg)), dtype) @ w2d[g].t()
+        if b2 is not None:
+            o = o + b2[g].to(dtype)
+        return o
+
+    wflat = topk_weight.reshape(-1).to(dtype)
+    y = torch.zeros(T, H, dtype=dtype, device=x.device)
+    if T:
+        for e, slots in _routed_groups(topk_idx, E):
+            t = torch.div(slots, K, rounding_mode="floor")
+            y = y.index_add(0, t, expert(xd[t], e) * wflat[slots].unsqueeze(1))
+        for s_ in range(S):
+            y = y + expert(xd, E + s_)
+    return y.to(out_dtype or dtype)
+
+
 class Grads(NamedTuple):
     x: torch.Tensor
     topk_weight: torch.Tensor
@@ -358,6 +409,75 @@ def backward(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None
         ds = (dAp * a).sum(1)
         if b2 is not None:
             ds = ds + dyg @ b2[g].to(dtype)
+        return ds
+
+    if T:
+        for e, slots in _routed_groups(topk_idx, E):
+            t = torch.div(slots, K, rounding_mode="floor")
+            dS[slots] = one_group(e, t, wflat[slots])
+        for s in range(S):
+            one_group(E + s, None, None)
+    return Grads(dx, dS.reshape(T, K), dw1, dw2, db1, db2)
+
+
+def backward_mx(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None,
+                dtype=torch.float64) -> Grads:
+    """The MXFP8 training step's ground truth (spec dtype "mxfp8"), in ``dtype``: the gradients the MXFP8
+    kernels compute, up to their accumulation order. Per routed slot (t, k) of expert e, weight w:
+
+    * the forward on the MXFP8 operands (:func:`forward_mx`): z = Q(x_t) Q(W1[e])^T + b1, stored in bf16 (gemm1_train
+      writes z in bf16; the backward reads it);
+    * dgrad1: dA' = Q(dy_t) Qc(W2[e]) (dO's row quantized along H; W2 quantized in 32-blocks down its columns, along
+      H: quant_mx_w2_cols); dz = act'(z) * w dA', stored in bf16; dS = <dA', a>;
+    * dgrad2: dx_t += Q(dz) Qc(W1[e]) (dz quantized along 2I; W1 in 32-blocks along 2I in the spec's layout);
+    * the BF16 weight gradients on the bf16 tensors: dW2[e] += dy_t^T bf16(w a), dW1[e] += dz^T x_t; db1 += dz,
+      db2 += w dy_t.
+
+    Q: quantize_mx along the last dim then dequantize, exactly; Qc: the same down the columns. Shared experts as
+    in :func:`backward` (w = 1, no dS)."""
+    cfg = layer_config(spec_or_cfg)
+    T, H, G, I, K, E, S = _check_shapes(x, topk_idx, topk_weight, w1, w2, b1, b2, cfg)
+    dev = x.device
+    xq, w1q, _ = _mx_operands(x, w1, w2, dtype)
+    xb, dyb = x.to(dtype), dy.to(dtype)
+    dyq = _mx_values(dy, dtype)
+    w2c = _mx_values(w2.transpose(1, 2), dtype).transpose(1, 2)            # [G, H, I], blocks along H
+    w1c = _mx_values(w1.transpose(1, 2), dtype).transpose(1, 2)            # [G, 2I, H], blocks along 2I
+    wflat = topk_weight.reshape(-1).to(dtype)
+    dx = torch.zeros(T, H, dtype=dtype, device=dev)
+    dS = torch.zeros(T * K, dtype=dtype, device=dev)
+    dw1 = torch.zeros(G, 2 * I, H, dtype=dtype, device=dev)
+    dw2 = torch.zeros(G, H, I, dtype=dtype, device=dev)
+    db1 = torch.zeros(G, 2 * I, dtype=dtype, device=dev) if b1 is not None else None
+    db2 = torch.zeros(G, H, dtype=dtype, device=dev) if b2 is not None else None
+
+    def one_group(g, t, w):
+        sel = (lambda v: v) if t is None else (lambda v: v[t])
+        z = sel(xq) @ w1q[g].t()
+        if b1 is not None:
+            z = z + b1[g].to(dtype)
+        g_raw, u_raw = _split_gate_up(_bf16(z), cfg.gate_up_layout)
+        dAp = sel(dyq) @ w2c[g]                                             # [n, I]
+        dA = dAp if w is None else dAp * w.unsqueeze(1)
+        a, dg, du = _activation_backward(g_raw, u_raw, dA, cfg)
+        dz = _bf16(_merge_gate_up(dg, du, cfg.gate_up_layout))              # [n, 2I]
+        dxg = _mx_values(dz, dtype) @ w1c[g]
+        if t is None:
+            dx.add_(dxg)
+        else:
+            dx.index_add_(0, t, dxg)
+        dw1[g] += dz.t() @ sel(xb)
+        sa = _bf16(a if w is None else a * w.unsqueeze(1))
+        dw2[g] += sel(dyb).t() @ sa
+        if db1 is not None:
+            db1[g] += dz.sum(0)
+        if db2 is not None:
+            db2[g] += (sel(dyb) if w is None else sel(dyb) * w.unsqueeze(1)).sum(0)
+        if w is None:
+            return None
+        ds = (dAp * a).sum(1)
+        if b2 is not None:
+            ds = ds + sel(dyb) @ b2[g].to(dtype)
         return ds
 
     if T:
@@ -642,6 +762,61 @@ def ref_dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, 
                meta, out, num_ctas, bm=bm)
 
 
+def _concat_to_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """W1 rows in concat order [G, 2I, K] (gate n, then up n: quant_mx_w1's order) -> the spec's gate / up layout."""
+    if layout != "interleaved":
+        return w
+    G, I2, K = w.shape
+    return torch.stack((w[:, :I2 // 2], w[:, I2 // 2:]), dim=2).reshape(G, I2, K)
+
+
+def ref_gemm1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, *, cfg: LayerConfig, bm: int,
+                 z=None) -> None:
+    """The MXFP8 GEMM 1 (table ``gemm1_mx`` / ``gemm1_train_mx``): :func:`ref_gemm1` (with ``z``,
+    :func:`ref_gemm1_train`) in float32 on the dequantized packed operands: A = the gathered rows quant_mx_gather
+    wrote (its used rows, their codes read at mx_sf_offset), W1 = quant_mx_w1's bits in concat order with codes
+    packed per (group, part), put back in the spec's gate / up layout (the bias and z keep that layout)."""
+    from .mx_ops import dequantize_rows as dq_rows, dequantize_w
+
+    n = int(meta[0]) * bm
+    xd = dq_rows(a, sfa, n)
+    wd = _concat_to_layout(dequantize_w(w, sfw, parts=2), cfg.gate_up_layout)
+    if z is None:
+        ref_gemm1(xd, wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=True)
+    else:
+        ref_gemm1_train(xd, wd, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=True)
+
+
+def ref_gemm2_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, *, cfg: LayerConfig, bm: int) -> None:
+    """The MXFP8 GEMM 2 (table ``gemm2_mx``): :func:`ref_gemm2` on the dequantized h rows (quant_mx_used) and W2
+    (quant_mx_w2)."""
+    from .mx_ops import dequantize_rows as dq_rows, dequantize_w
+
+    n = int(meta[0]) * bm
+    ref_gemm2(dq_rows(a, sfa, n), dequantize_w(w, sfw, parts=1), bias, row, tile_group, meta, out, num_ctas,
+              cfg=cfg, bm=bm)
+
+
+def ref_dgrad1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, z, dz, ds, num_ctas, *, cfg: LayerConfig,
+                  bm: int) -> None:
+    """The MXFP8 dgrad1 (table ``dgrad1_mx``): :func:`ref_dgrad1` on the dequantized dO rows (quant_mx_gather) and
+    W2's column form ``w`` [G, H, I] (quant_mx_w2_cols: 32-blocks along H, dgrad1's K)."""
+    from .mx_ops import dequantize_rows as dq_rows, dequantize_w_cols
+
+    n = int(meta[0]) * bm
+    ref_dgrad1(dq_rows(a, sfa, n), dequantize_w_cols(w, sfw), bias, row, tile_group, meta, out, z, dz, ds,
+               num_ctas, cfg=cfg, bm=bm)
+
+
+def ref_dgrad2_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, *, bm: int) -> None:
+    """The MXFP8 dgrad2 (table ``dgrad2_mx``): :func:`ref_dgrad2` on the dequantized dz rows (quant_mx_dz) and
+    W1's column form ``w`` [G, 2I, H] (quant_mx_w1_cols, the spec's layout: 32-blocks along 2I, dgrad2's K)."""
+    from .mx_ops import dequantize_rows as dq_rows, dequantize_w_cols
+
+    n = int(meta[0]) * bm
+    ref_dgrad2(dq_rows(a, sfa, n), dequantize_w_cols(w, sfw), bias, row, tile_group, meta, out, num_ctas, bm=bm)
+
+
 def ref_combine(ys, slot_pos, y) -> None:
     """y[t] = sum_j ys[slot_pos[t, j]] over j = 0..K+S-1 in that order, fp32 accumulation, slots < 0 skipped."""
     T, J = slot_pos.shape
@@ -709,7 +884,9 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
     kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the fused schedule's two
     kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and ``fused`` (GEMM 1,
-    GEMM 2 and combine)."""
+    GEMM 2 and combine). A dtype "fp8" / "mxfp8" spec gets its GEMMs under the same names with its argument
+    tables (``gemm*_fp8`` / ``gemm*_mx``: float32 math on the dequantized operands) and its quantizers
+    (:mod:`mokgen.fp8_ops` / :mod:`mokgen.mx_ops`)."""
     from .kernels import bind
 
     cfg = layer_config(spec_or_cfg)
@@ -741,6 +918,7 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         "combine": lambda ys, slot_pos, y: ref_combine(ys, slot_pos, y),
     }
     tables: dict[str, str] = {}
+    bound: dict[str, Callable[..., None]] = {}   # steps bound already (the MXFP8 quantizers)
     if cfg.dtype == "fp8":   # the FP8 forward GEMMs: same kernel names, the gemm*_fp8 argument tables
         def gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
             ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
@@ -756,6 +934,19 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
                      quant_rows_gather=lambda x, row_src, meta, q, s: ref_quant_rows_gather(x, row_src, meta, q, s,
                                                                                             bm=bm),
                      quant_rows_used=lambda x, meta, q, s: ref_quant_rows_used(x, meta, q, s, bm=bm))
+    if cfg.dtype == "mxfp8":   # the MXFP8 GEMMs (gemm*_mx tables) and quantizers (mokgen/mx_ops.py)
+        def gemm1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas):
+            ref_gemm1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, cfg=cfg, bm=bm)
+
+        def gemm2_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas):
+            ref_gemm2_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, cfg=cfg, bm=bm)
+
+        impls.update(gemm1=gemm1_mx, gemm2=gemm2_mx)
+        tables.update(gemm1="gemm1_mx", gemm2="gemm2_mx")
+        from .mx_ops import MX_BACKWARD_QUANT, reference_quant_kernels as mx_quant
+
+        mxq = mx_quant(bm, cfg.gate_up_layout)
+        bound.update({k: v for k, v in mxq.items() if training or k not in MX_BACKWARD_QUANT})
     if gather or training:
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
@@ -783,9 +974,21 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
 
             impls.update(gemm1_train=gemm1_train_fp8, dgrad1=dgrad1_fp8, dgrad2=dgrad2_fp8, quant_wt=ref_quant_wt)
             tables.update(gemm1_train="gemm1_train_fp8", dgrad1="dgrad1_fp8", dgrad2="dgrad2_fp8")
+        if cfg.dtype == "mxfp8":
+            def gemm1_train_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, z, num_ctas):
+                ref_gemm1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, cfg=cfg, bm=bm, z=z)
+
+            def dgrad1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, z, dz, ds, num_ctas):
+                ref_dgrad1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)
+
+            def dgrad2_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas):
+                ref_dgrad2_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, bm=bm)
+
+            impls.update(gemm1_train=gemm1_train_mx, dgrad1=dgrad1_mx, dgrad2=dgrad2_mx)
+            tables.update(gemm1_train="gemm1_train_mx", dgrad1="dgrad1_mx", dgrad2="dgrad2_mx")
         for name in ("wgrad1", "wgrad2"):
             for acc in (False, True):
                 impls[name + ("_acc" if acc else "")] = (
                     lambda a, b, group_start, out, num_ctas, _acc=acc:
                     ref_wgrad(a, b, group_start, out, num_ctas, accumulate=_acc))
-    return {name: bind(name, impl, table=tables.get(name)) for name, impl in impls.items()}
+    return {**{name: bind(name, impl, table=tables.get(name)) for name, impl in impls.items()}, **bound}

@@ -270,16 +270,17 @@ def test_bf16_kernels_keep_their_form():
         render_quant_mx(_mx_plan(), "quant_mx_x")
 
 
-def test_runtime_refuses_mxfp8():
-    """mokgen/ops.py has no MXFP8 launches: a layer over an mxfp8 plan is refused in one line, not run with the
-    BF16 calls (which would not fit the MXFP8 kernels' arguments, and would compute BF16 with reference kernels)."""
+def test_runtime_takes_mxfp8():
+    """mokgen/ops.py launches the MXFP8 kernel set for an mxfp8 plan (tests/test_mx_runtime.py runs it on the
+    reference kernels): the nineteen kernels of the training entry, x's rows gathered by their quantizer."""
     from mokgen import reference as ref
     from mokgen.ops import CompiledMoE
 
     plan = _mx_plan()
-    fns = ref.reference_kernels(ref.layer_config(plan.spec), plan.bm, gather=True, training=True)
-    with pytest.raises(NotImplementedError, match=r"dtype mxfp8 has no runtime launches yet"):
-        CompiledMoE(plan.spec, plan, functions=fns, allow_cpu=True, arch="sm_100a")
+    fns = ref.reference_kernels(plan.spec, plan.bm, training=True)
+    moe = CompiledMoE(plan.spec, plan, functions=fns, allow_cpu=True, arch="sm_100a")
+    assert moe.mx and moe.trainable and not moe.gather and sorted(moe.kernels) == sorted(MX_KERNELS + MX_TRAIN)
+    assert moe.launch_sequence(training=False)[:3] == ("routing", "quant_mx_gather", "gemm1")
 
 
 # ---- the quantizers' arithmetic, emulated in torch with the kernel's formulas
@@ -602,14 +603,20 @@ def test_mokgen_compile_mxfp8_spec(tmp_path, monkeypatch, capsys):
         assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "block_scale" not in ptx, k
 
 
-def test_mokgen_compile_api_refuses_mxfp8_before_building(monkeypatch, tmp_path):
-    """mokgen.compile of an mxfp8 spec says, before any build, that the runtime cannot run MXFP8 yet (the CLI
-    builds the entry; the API would otherwise build it and fail to load it)."""
+@pytest.mark.slow
+def test_mokgen_compile_api_builds_and_loads_mxfp8(monkeypatch, tmp_path):
+    """mokgen.compile of an mxfp8 spec on sm_100a builds the training entry and loads it, as for a BF16 sm_100a
+    spec: a CompiledMoE with the MXFP8 launches; on this CPU machine it cannot run (CUDA tensors needed, and no
+    Blackwell GPU: never run on one)."""
+    pytest.importorskip("cutlass")
     import mokgen
-    from mokgen import driver
+    from mokgen import reference as ref
+    from mokgen.ops import CompiledMoE, MoEInputError
 
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(driver, "resolve", lambda *a, **k: pytest.fail("built an entry nothing can run"))
-    with pytest.raises(NotImplementedError, match=r"no MXFP8 launch sequence yet"):
-        mokgen.compile(str(Path(__file__).resolve().parent.parent / "tools" / "specs" / "kimi-k2-mxfp8.yaml"),
-                       arch="sm_100a")
+    moe = mokgen.compile({**MX, "name": "mx-api", "hidden": 256, "ffn": 128}, arch="sm_100a")
+    assert isinstance(moe, CompiledMoE) and moe.mx and moe.trainable and moe.arch == "sm_100a"
+    assert sorted(moe.kernels) == sorted(MX_KERNELS + MX_TRAIN)
+    inp = ref.random_inputs(moe.spec, tokens=16, seed=0)
+    with pytest.raises(MoEInputError, match="inputs must be CUDA tensors"):
+        moe(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2)
