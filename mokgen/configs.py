@@ -42,6 +42,9 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
         return _check_fp8_config(spec, arch, cfg)
     if any(k.endswith("promote") for k in cfg):
         return [f"{k}: the promotion mode applies to FP8 specs" for k in cfg if k.endswith("promote")]
+    if any(k in P.WGRAD_DTYPE_KEYS and v == "fp8" for k, v in cfg.items()):
+        return [f"{k}: FP8 weight gradients apply to FP8 specs" for k, v in cfg.items()
+                if k in P.WGRAD_DTYPE_KEYS and v == "fp8"]
     fused = cfg.get("schedule", "chain") == "fused"
     for which, kernel in ((1, "gemm1"), (2, "gemm2")):
         bn = cfg.get(f"{kernel}_bn")

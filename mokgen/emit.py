@@ -294,7 +294,12 @@ FP8_QUANT = {
     "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
                  dict(transpose=True)),
     "quant_cols": ("sm90/quant_cols.py.j2", "FP8 quantization of columns: 128x1 tiles, transposed out (wgrad)",
-                   dict()),
+                   dict(bounded=False, gather=False)),
+    "quant_cols_used": ("sm90/quant_cols.py.j2", "FP8 quantization of the used rows' columns (meta[0] * BM): "
+                        "128x1 tiles, transposed out (the wgrads' dz, s a)", dict(bounded=True, gather=False)),
+    "quant_cols_gather": ("sm90/quant_cols.py.j2", "FP8 quantization of gathered token rows' columns (x[row_src[r]] "
+                          "for the used rows): 128x1 tiles, transposed out (the wgrads' x, dO rows)",
+                          dict(bounded=False, gather=True)),
 }
 
 
@@ -324,13 +329,23 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
     g = getattr(plan.backward, name)
     m, n, _ = backward_shape(plan.spec, name)
     producer_regs, consumer_regs = g.regs
+    fp8 = g.elem_bytes == 1
+    what = f"plan.backward.{name}"
+    if fp8:   # e4m3 operands per 128 x 1 tile: one 128-row scale block per K step, so per routing tile
+        if plan.spec.dtype != "fp8":
+            raise EmitError(f"{what}.elem_bytes: FP8 weight gradients belong to dtype fp8 specs, got "
+                            f"{plan.spec.dtype}")
+        if g.bk != 128 or plan.bm % g.bk or g.bn != 128:
+            raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 with 128-row K steps that divide the routing "
+                            f"tile (got bn {g.bn}, bk {g.bk}, routing tile {plan.bm})")
     if not accumulate:
-        _check_smem(plan, g.smem_bytes(), f"plan.backward.{name}: {g.stages} stages")
-    epi_ring, epi_w = _epi_ring(g, 1, f"plan.backward.{name}") if not accumulate else (False, 0)
+        _check_smem(plan, g.smem_bytes(), f"{what}: {g.stages} stages")
+    epi_ring, epi_w = _epi_ring(g, 1, what) if not accumulate else (False, 0)
+    table = name + ("_acc" if accumulate else "") + ("_fp8" if fp8 else "")
     return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
                 stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
                 accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
-                epi_ring=epi_ring, epi_w=epi_w, **_table(name + ("_acc" if accumulate else "")))
+                epi_ring=epi_ring, epi_w=epi_w, fp8=fp8, **_table(table))
 
 
 def _epi_ring(g: Any, parts: int, what: str) -> tuple[bool, int]:

@@ -21,7 +21,9 @@ from . import fp8
 from .kernels import bind, call
 
 __all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
-           "reference_quant_kernels", "quantize_rows", "quantize_used_rows", "quantize_gathered_rows", "quantize_w", "quantize_cols", "as_e4m3"]
+           "ref_quant_cols_used", "ref_quant_cols_gather", "reference_quant_kernels", "quantize_rows",
+           "quantize_used_rows", "quantize_gathered_rows", "quantize_w", "quantize_cols", "quantize_used_cols",
+           "quantize_gathered_cols", "as_e4m3"]
 
 BLOCK = fp8.BLOCK
 VEC = 16   # the quantizers' vector: K (and W's N) must be multiples of it; 1x128 / 128x128 edge tiles may be partial
@@ -66,10 +68,25 @@ def ref_quant_wt(w, q, s, qt, st) -> None:
 
 
 def ref_quant_cols(x, qt, st) -> None:
-    """qt, st = mokgen.fp8.quantize_128x1(x, pow2=True), both transposed ([K, rows], [K, rows / 128])."""
+    """qt, st = mokgen.fp8.quantize_128x1(x, pow2=True) with q transposed (qt [K, rows], st [rows / 128, K])."""
     qq, ss = fp8.quantize_128x1(x, pow2=True)
     qt.copy_(_bits(qq).T)
-    st.copy_(ss.T)
+    st.copy_(ss)
+
+
+def ref_quant_cols_used(x, meta, qt, st, *, bm: int) -> None:
+    """:func:`ref_quant_cols` of the used rows ``x[:meta[0] * bm]`` into the first columns of qt and rows of st
+    (the rest untouched). The used rows end on a 128-row block boundary (bm a multiple of 128)."""
+    n = min(int(meta[0]) * bm, x.shape[0])
+    if n:
+        ref_quant_cols(x[:n], qt[:, :n], st[:n // BLOCK])
+
+
+def ref_quant_cols_gather(x, row_src, meta, qt, st, *, bm: int) -> None:
+    """:func:`ref_quant_cols` of the gathered rows x[row_src[r]] (token 0 for padding rows) of the used rows."""
+    n = min(int(meta[0]) * bm, row_src.shape[0])
+    if n:
+        ref_quant_cols(x[row_src[:n].long().clamp(min=0)], qt[:, :n], st[:n // BLOCK])
 
 
 def ref_quant_rows_used(x, meta, q, s, *, bm: int) -> None:
@@ -91,7 +108,11 @@ def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
             "quant_rows_gather": bind("quant_rows_gather", lambda x, row_src, meta, q, s:
                                       ref_quant_rows_gather(x, row_src, meta, q, s, bm=bm)),
             "quant_rows_used": bind("quant_rows_used", lambda x, meta, q, s: ref_quant_rows_used(x, meta, q, s, bm=bm)), "quant_w": bind("quant_w", ref_quant_w),
-            "quant_wt": bind("quant_wt", ref_quant_wt), "quant_cols": bind("quant_cols", ref_quant_cols)}
+            "quant_wt": bind("quant_wt", ref_quant_wt), "quant_cols": bind("quant_cols", ref_quant_cols),
+            "quant_cols_used": bind("quant_cols_used", lambda x, meta, qt, st: ref_quant_cols_used(x, meta, qt, st,
+                                                                                                  bm=bm)),
+            "quant_cols_gather": bind("quant_cols_gather", lambda x, row_src, meta, qt, st:
+                                      ref_quant_cols_gather(x, row_src, meta, qt, st, bm=bm))}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -176,14 +197,40 @@ def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose
     return (q, s, qt, st) if transpose else (q, s)
 
 
-def quantize_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x bf16 [rows, K] (rows, K % 128 == 0) -> (qt uint8 [K, rows], st fp32 [K, rows / 128]) by ``quant_cols``
-    (the 128x1 tiles of the wgrad operands, transposed)."""
-    _check("quantize_cols", "x", x, 2, {0: BLOCK, 1: BLOCK})
-    R, K = x.shape
-    qt = torch.empty((K, R), dtype=torch.uint8, device=x.device)
-    st = torch.empty((K, R // BLOCK), dtype=torch.float32, device=x.device)
-    if R and K:
+def _cols_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Tensor, rows: int,
+                 **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate qt uint8 [K, rows] and st fp32 [rows / 128, K] for a column-quantizing kernel of x [.., K] and
+    launch it (nothing to launch when empty)."""
+    K = x.shape[1]
+    qt = torch.empty((K, rows), dtype=torch.uint8, device=x.device)
+    st = torch.empty((rows // BLOCK, K), dtype=torch.float32, device=x.device)
+    if rows and K and x.shape[0]:
         with _stream(x):
-            call(fns, "quant_cols", x=x, qt=qt, st=st)
+            call(fns, kernel, x=x, **kw, qt=qt, st=st)
     return qt, st
+
+
+def quantize_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [rows, K] (rows % 128 == 0, K % 16 == 0) -> (qt uint8 [K, rows], st fp32 [rows / 128, K]) by
+    ``quant_cols``: the 128x1 tiles of a wgrad operand, q transposed (K-major for the FP8 wgrad)."""
+    _check("quantize_cols", "x", x, 2, {0: BLOCK, 1: VEC})
+    return _cols_launch(fns, "quant_cols", x, x.shape[0])
+
+
+def quantize_used_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, meta: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`quantize_cols` for rows of the padded row space (a multiple of 128), by ``quant_cols_used``: only
+    the used rows' blocks, ``meta[0] * BM`` rows (read on the device), are read and written (dz, s a)."""
+    _check("quantize_used_cols", "x", x, 2, {0: BLOCK, 1: VEC})
+    return _cols_launch(fns, "quant_cols_used", x, x.shape[0], meta=meta)
+
+
+def quantize_gathered_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
+                           meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [T, K] -> (qt uint8 [K, rows], st fp32 [rows / 128, K]) of the gathered rows x[row_src[r]] (padding
+    rows: token 0) of the used rows of the padded row space (rows = len(row_src), a multiple of 128), by
+    ``quant_cols_gather``: the x and dO operands of the FP8 weight gradients, no bf16 copy of the rows."""
+    _check("quantize_gathered_cols", "x", x, 2, {1: VEC})
+    if row_src.shape[0] % BLOCK:
+        raise ValueError(f"quantize_gathered_cols: row_src must have a multiple of {BLOCK} rows, got {row_src.shape[0]}")
+    return _cols_launch(fns, "quant_cols_gather", x, row_src.shape[0], row_src=row_src, meta=meta)

@@ -107,11 +107,30 @@ _WGRAD = (
        written=True),
     _NUM_CTAS,
 )
+# the FP8 weight-gradient GEMMs (dtype fp8, plan wgrad elem_bytes 1): both operands transposed and quantized per
+# 128 x 1 tile along the rows (quant_cols*), K-major e4m3 bytes, with their scales [row blocks, columns]
+_WGRAD_FP8_IN = (
+    _t("a", "u8", "M_OUT", "rows", doc="[M_OUT, rows] e4m3 bits of the left operand's rows, transposed (rows "
+       "contiguous: K-major)"),
+    _t("sa", "fp32", "kblocks", "M_OUT", doc="[rows / 128, M_OUT] scale of each 128 x 1 tile of a (row block, column)"),
+    _t("b", "u8", "N_OUT", "rows", doc="[N_OUT, rows] e4m3 bits of the right operand's rows, transposed"),
+    _t("sb", "fp32", "kblocks", "N_OUT", doc="[rows / 128, N_OUT] scale of each 128 x 1 tile of b"),
+    _t("group_start", "int32", "GROUPS + 1", doc="[GROUPS + 1] first row of each group (multiples of GROUP_M)",
+       align=4),
+)
 _WGRAD_ACC = _WGRAD[:3] + (
     _t("out", "fp32", "GROUPS", "M_OUT", "N_OUT", doc="[GROUPS, M_OUT, N_OUT] fp32 main_grad, added into",
        written=True),
     _NUM_CTAS,
 )
+
+_WGRAD_FP8 = _WGRAD_FP8_IN + _WGRAD[3:]
+_WGRAD_FP8_ACC = _WGRAD_FP8_IN + _WGRAD_ACC[3:]
+
+# the column quantizers' outputs (the FP8 wgrads' operands): x transposed in e4m3 bits, its 128 x 1 tile scales
+_QT = _t("qt", "u8", "cols", "rows", written=True, doc="[K, rows] e4m3 bits of x transposed (the used rows' columns)")
+_ST = _t("st", "fp32", "rblocks", "cols", written=True, align=4,
+         doc="[rows/128, K] power-of-two scale per 128x1 tile (128-row block, column)")
 
 ARGS: dict[str, tuple[Arg, ...]] = {
     "routing": (
@@ -185,6 +204,7 @@ ARGS: dict[str, tuple[Arg, ...]] = {
     "wgrad2": _WGRAD,
     "wgrad1_acc": _WGRAD_ACC,
     "wgrad2_acc": _WGRAD_ACC,
+    **{f"wgrad{i}{sfx}_fp8": t for i in (1, 2) for sfx, t in (("", _WGRAD_FP8), ("_acc", _WGRAD_FP8_ACC))},
     "fused": (
         _t("x", "bf16", "tokens", "HIDDEN", doc="[T, H] token rows"),
         _t("w1", "bf16", "GROUPS", "2 * FFN", "HIDDEN", doc="[GROUPS, 2 FFN, H] (gate/up layout from W1_N / W1_P)"),
@@ -241,10 +261,17 @@ ARGS.update({
            doc="[G, K/128, N/128] the block scales transposed"),
     ),
     "quant_cols": (
-        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (rows and K multiples of 128)"),
-        _t("qt", "u8", "cols", "rows", written=True, doc="[K, rows] e4m3 bits of x transposed"),
-        _t("st", "fp32", "cols", "rows // BLOCK", written=True, align=4,
-           doc="[K, rows/128] power-of-two scale per 128x1 tile (column, 128-row block)"),
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 (rows a multiple of 128, K of 16)"),
+        _QT, _ST,
+    ),
+    "quant_cols_used": (
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 rows of the padded row space (K a multiple of 16)"),
+        _META, _QT, _ST,
+    ),
+    "quant_cols_gather": (
+        _t("x", "bf16", "tokens", "cols", doc="[T, K] bf16 token rows (K a multiple of 16)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (padding: token 0)"),
+        _META, _QT, _ST,
     ),
 })
 # the MXFP8 quantization kernels (dtype mxfp8, sm_100a, templates/sm100/quant_mx.py.j2): e4m3 bits and e8m0 codes
@@ -334,6 +361,7 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     **{k: {**_GROUPED_SYMS, "sfa_bytes": None} for k in ("gemm1_mx", "gemm2_mx", "gemm1_train_mx", "dgrad1_mx",
                                                            "dgrad2_mx")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
+    **{f"wgrad{i}{sfx}_fp8": {"rows": "GROUP_M", "kblocks": None} for i in (1, 2) for sfx in ("", "_acc")},
     # the scale tensors' block counts (ceil(K / 128), ...) are symbols of their own: the kernels index them and
     # never read their extents (a symbolic size takes no arithmetic in compile())
     "quant_rows": {"rows": None, "cols": "16", "cblocks": None},
@@ -341,7 +369,9 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "quant_rows_gather": {"tokens": None, "rows": None, "cols": "16", "cblocks": None},
     "quant_w": {"groups": None, "n": "16", "k": "16", "nblocks": None, "kblocks": None},
     "quant_wt": {"groups": None, "n": "16", "k": "16", "nblocks": None, "kblocks": None},
-    "quant_cols": {"rows": "BLOCK", "cols": "BLOCK"},
+    "quant_cols": {"rows": "BLOCK", "cols": "16", "rblocks": None},
+    "quant_cols_used": {"rows": "BLOCK", "cols": "16", "rblocks": None},
+    "quant_cols_gather": {"tokens": None, "rows": "BLOCK", "cols": "16", "rblocks": None},
     "quant_mx_gather": {"tokens": None, "rows": "BM", "sf_bytes": None},
     "quant_mx_used": {"rows": "BM", "sf_bytes": None},
     "quant_mx_w": {},
@@ -350,7 +380,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
 SYMBOLS.update({"ep_routing": {"tokens": None, "rows": "BM", "tiles": None}, "ep_dispatch": {"rows": "BM"},
                 "ep_push": {"rows": "BM"}})
 EP_KERNELS = ("ep_routing", "ep_dispatch", "ep_push")
-FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols")
+FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols",
+                     "quant_cols_used", "quant_cols_gather")
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
 MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",
                     "quant_mx_w2": "quant_mx_w"}

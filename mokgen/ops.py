@@ -128,7 +128,8 @@ def kernels_of(plan: Any) -> tuple[str, ...]:
                 + MX_TRAIN_KERNELS
         return KERNELS + MX_KERNELS
     if has_training(plan):
-        return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + fp8 + TRAIN_KERNELS
+        return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + fp8 + TRAIN_KERNELS \
+            + (FP8_WGRAD_KERNELS if fp8_wgrads(plan) else ())
     if fp8:
         return KERNELS + fp8
     return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
@@ -412,6 +413,17 @@ class _DeviceState:
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
 # what an FP8 layer launches besides its GEMMs (mokgen/fp8_ops.py)
 FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
+# ... and the column quantizers of FP8 weight gradients (plan wgrad*_dtype "fp8"): dz / s a (used rows), x / dO
+# (gathered rows), transposed e4m3 with 128 x 1 scales
+FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather")
+
+
+def fp8_wgrads(plan: Any) -> tuple[str, ...]:
+    """The weight gradients a plan runs in FP8 (their GemmPlan's e4m3 operands: plan ``wgrad*_dtype=fp8``)."""
+    backward = getattr(plan, "backward", None)
+    if backward is None or not is_fp8(plan):
+        return ()
+    return tuple(n for n in ("wgrad1", "wgrad2") if getattr(getattr(backward, n), "elem_bytes", 2) == 1)
 
 
 def is_fp8(plan: Any) -> bool:
@@ -537,7 +549,9 @@ class CompiledMoE:
         if missing:
             raise ValueError(f"functions lacks kernel(s) {missing}")
         # training needs the training kernels (a built entry of a chain plan has them; injected functions may)
-        train = TRAIN_KERNELS + (GATHER_KERNEL,) + (MX_TRAIN_KERNELS if self.mx else ())
+        self.fp8_wgrads = fp8_wgrads(plan)
+        train = TRAIN_KERNELS + (GATHER_KERNEL,) + (MX_TRAIN_KERNELS if self.mx else ()) \
+            + (FP8_WGRAD_KERNELS if self.fp8_wgrads else ())
         self.trainable = not self.fused and all(n in functions for n in train)
         self._fns = {n: functions[n] for n in self.kernels + (train if self.trainable else ())}
         backward = getattr(plan, "backward", None)
@@ -923,14 +937,19 @@ class CompiledMoE:
                                                                           "gemm2", "combine")
         if not training:
             return fwd
-        # FP8 / MXFP8: dO's rows quantized before dgrad1, dz's used rows before dgrad2 (the wgrads are bf16)
+        # FP8 / MXFP8: dO's rows quantized before dgrad1, dz's used rows before dgrad2; an FP8 weight gradient's
+        # operands column-quantized (transposed) right before it, a BF16 one's x / dO rows gathered
         q_dO = ("quant_rows_gather",) if self.fp8 else ("quant_mx_gather",) if self.mx else ()
         q_dz = ("quant_rows_used",) if self.fp8 else ("quant_mx_dz",) if self.mx else ()
-        head = ("gather_dO",) + q_dO + ("dgrad1",)
+        w8 = self.fp8_wgrads
+        gather_dO = () if "wgrad2" in w8 and not self.cfg.bias else ("gather_dO",)
+        head = gather_dO + q_dO + ("dgrad1",)
         dgrad2 = q_dz + ("dgrad2", "combine_dx")
+        wgrad2 = (("quant_cols_gather_dO", "quant_cols_used_sa") if "wgrad2" in w8 else ()) + ("wgrad2",)
+        wgrad1 = (("quant_cols_used_dz", "quant_cols_gather_x") if "wgrad1" in w8 else ("gather_x",)) + ("wgrad1",)
         if self._bwd_streams == 2:   # host order: the side stream's weight gradients are launched first
-            return fwd + head + ("wgrad2", "gather_x", "wgrad1") + dgrad2
-        return fwd + head + ("wgrad2",) + dgrad2 + ("gather_x", "wgrad1")
+            return fwd + head + wgrad2 + wgrad1 + dgrad2
+        return fwd + head + wgrad2 + dgrad2 + wgrad1
 
     def _need_training(self) -> None:
         if not self.trainable:
@@ -1057,9 +1076,11 @@ class CompiledMoE:
         # Host order: the first kernels go out before the host builds what only later kernels need, and the
         # small torch reductions (router and bias gradients) are queued before the last two kernels, so the host
         # is ahead of the GPU at the end of the step (bench/NOTES.md v7). Stream order keeps every dependency.
+        w8 = self.fp8_wgrads
         with self._stream(dev):
             buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
-            call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
+            if "wgrad2" not in w8 or b2 is not None:   # the bf16 dO rows: BF16 wgrad2's operand, db2's
+                call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
             dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
             ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
@@ -1093,13 +1114,27 @@ class CompiledMoE:
             dxs = torch.empty((cap, H), dtype=torch.bfloat16, device=dev) if two else buf
 
             def x_rows_and_wgrad1() -> None:   # buf: the x rows, once wgrad2 has read the dO rows from it
+                kernel = "wgrad1" if dw1 is not None else "wgrad1_acc"
+                o = dw1 if dw1 is not None else w1_main_grad
+                if "wgrad1" in w8:   # dz's and the x rows' columns in e4m3 (128 x 1 tiles), transposed
+                    dzt, dzs = fp8_ops.quantize_used_cols(f, dz, sv.meta)
+                    xt, xs = fp8_ops.quantize_gathered_cols(f, x, sv.row_src, sv.meta)
+                    call(f, kernel, table=kernel + "_fp8", a=dzt, sa=dzs, b=xt, sb=xs, group_start=group_start,
+                         out=o, num_ctas=num_ctas)
+                    return
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
-                call(f, "wgrad1" if dw1 is not None else "wgrad1_acc", a=dz, b=buf, group_start=group_start,
-                     out=dw1 if dw1 is not None else w1_main_grad, num_ctas=num_ctas)
+                call(f, kernel, a=dz, b=buf, group_start=group_start, out=o, num_ctas=num_ctas)
 
             with self._side_stream(dev, two):   # the weight gradients (all of them on the side stream with two)
-                call(f, "wgrad2" if dw2 is not None else "wgrad2_acc", a=buf, b=sa, group_start=group_start,
-                     out=dw2 if dw2 is not None else w2_main_grad, num_ctas=num_ctas)
+                kernel = "wgrad2" if dw2 is not None else "wgrad2_acc"
+                o = dw2 if dw2 is not None else w2_main_grad
+                if "wgrad2" in w8:   # the dO rows' and s a's columns in e4m3 (128 x 1 tiles), transposed
+                    dOt, dOs = fp8_ops.quantize_gathered_cols(f, dy, sv.row_src, sv.meta)
+                    sat, sas = fp8_ops.quantize_used_cols(f, sa, sv.meta)
+                    call(f, kernel, table=kernel + "_fp8", a=dOt, sa=dOs, b=sat, sb=sas, group_start=group_start,
+                         out=o, num_ctas=num_ctas)
+                else:
+                    call(f, kernel, a=buf, b=sa, group_start=group_start, out=o, num_ctas=num_ctas)
                 if two:
                     x_rows_and_wgrad1()
             if self.fp8:   # dz's used rows quantized; W1's K-major transposed e4m3 copy

@@ -248,6 +248,9 @@ class GemmPlan:
     # summed into the per-block accumulator and promoted in turn (128 x 256 FP8 tiles: the whole-tile fp32
     # accumulator plus one half-width per-block one fit the registers; see fp8_widen)
     mma_split: int = 1
+    # FP8 weight gradients: bytes of fp32 scales each stage also holds (the K block's scales of the tile's A and B
+    # columns, TMA-loaded with the operands: (tile_m + bn) * 4); 0 elsewhere
+    stage_scale_bytes: int = 0
 
     @property
     def tile_m(self) -> int:
@@ -269,7 +272,7 @@ class GemmPlan:
         """Shared memory of the grouped-GEMM kernel: the stage ring, the epilogue buffers, the barriers."""
         bn = self.bn if parts_bn is None else parts_bn
         epi_sets = 2 if self.consumer == "pingpong" else 1
-        return (self.stages * (self.tile_m + bn) * self.bk * self.elem_bytes
+        return (self.stages * ((self.tile_m + bn) * self.bk * self.elem_bytes + self.stage_scale_bytes)
                 + epi_sets * self.tile_m * self.epi_n * ELEM_BYTES * self.epi_stages + BARRIER_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
@@ -342,7 +345,8 @@ def _stages_most(arch: Arch, g: GemmPlan) -> int:
     """The most pipeline stages (capped at MAX_STAGES) whose ring, with `g`'s epilogue buffers and the barriers,
     fits the CTA's shared memory (GemmPlan.smem_bytes)."""
     fixed = dataclasses.replace(g, stages=0).smem_bytes()
-    return min(MAX_STAGES, (arch.smem_per_cta - fixed) // ((g.tile_m + g.bn) * g.bk * ELEM_BYTES))
+    return min(MAX_STAGES, (arch.smem_per_cta - fixed) // ((g.tile_m + g.bn) * g.bk * g.elem_bytes
+                                                           + g.stage_scale_bytes))
 
 
 def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = None) -> GemmPlan:
@@ -945,7 +949,32 @@ def _settle_streams(plan: Plan, streams: Any) -> Plan:
                                notes=plan.notes + (f"overrides: bwd_streams={streams}",))
 
 
+WGRAD_DTYPE_KEYS = ("wgrad1_dtype", "wgrad2_dtype")
+
+
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
+    wgrad_dtypes = {k: overrides.pop(k) for k in WGRAD_DTYPE_KEYS if k in overrides}
+    plan = _solve_dtype_gemms(spec, arch, **overrides)
+    for key, value in wgrad_dtypes.items():
+        name = key.removesuffix("_dtype")
+        if value not in WGRAD_DTYPES:
+            raise PlanError(f"plan.{key}: must be one of {', '.join(WGRAD_DTYPES)}, got {value!r}")
+        if value == "bf16":   # the derived choice
+            continue
+        if spec.dtype != "fp8":
+            raise PlanError(f"plan.{key}: FP8 weight gradients are a choice of FP8 specs (dtype fp8), this one is "
+                            f"{spec.dtype}")
+        if plan.backward is None:
+            raise PlanError(f"plan.{key}: this plan has no backward kernels")
+        if value == "fp8":
+            plan = dataclasses.replace(plan, backward=dataclasses.replace(
+                plan.backward, **{name: fp8_wgrad(spec, _fp8_arch(arch), name, getattr(plan.backward, name),
+                                                  plan.bm)}),
+                notes=plan.notes + (f"overrides: {key}=fp8",))
+    return plan
+
+
+def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     promote_keys = [k for k in overrides if k == "promote" or k.endswith("_promote")]
     if spec.dtype != "fp8":
         if promote_keys:
@@ -1128,6 +1157,26 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
         z_chunk=min(g.z_chunk, bn // 4))
     fp8 = _fp8_fill_stages(arch, fp8)
     return _with_z_load(fp8) if which == 3 else fp8
+
+
+WGRAD_DTYPES = _SPACE.values("dtype", "wgrad1")
+
+
+def fp8_wgrad(spec: Spec, arch: Arch, name: str, g: GemmPlan, bm: int) -> GemmPlan:
+    """Weight-gradient GEMM `g` in FP8 (plan override ``wgrad*_dtype=fp8``): both operands e4m3 per 128 x 1 tile
+    along the rows (the reduction), read K-major from the transposed copies that quant_cols_used /
+    quant_cols_gather write; tiles 128 x 128 with 128-row K steps (one scale block per stage, so the routing tile
+    must be a multiple of 128: the FP8 specs' cooperative tiles are), each stage also holding the K block's scales
+    of the tile's 128 + 128 columns; promoted per element every K block (templates/sm90/_blocks.py.j2
+    mainloop_fp8_wgrad); as many stages as fit beside the epilogue. The output path as for BF16 (the ring where
+    the tile allows, else smem; the fp32 main_grad form has no bf16 output)."""
+    if bm % FP8_BK:
+        raise PlanError(f"plan.wgrad_dtype: FP8 weight gradients need 128-row K blocks inside a routing tile, got "
+                        f"routing tile {bm}")
+    w = dataclasses.replace(g, bn=FP8_BN, bk=FP8_BK, elem_bytes=1, stage_scale_bytes=(g.tile_m + FP8_BN) * 4,
+                            n_tiles=-(-backward_shape(spec, name)[1] // FP8_BN), epi_n=g.epi_n if FP8_BN % g.epi_n == 0 else EPI_N,
+                            promote="serial")
+    return dataclasses.replace(w, stages=_stages_most(arch, w))
 
 
 def _fp8_fill_stages(arch: Arch, g: GemmPlan) -> GemmPlan:

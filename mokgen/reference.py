@@ -877,8 +877,31 @@ def ref_wgrad(a, b, group_start, out, num_ctas, *, accumulate: bool = False) -> 
             out[g] = val.to(out.dtype)
 
 
+def ref_wgrad_fp8(a, sa, b, sb, group_start, out, num_ctas, *, accumulate: bool = False) -> None:
+    """The FP8 weight gradient (tables ``wgrad*_fp8`` / ``wgrad*_acc_fp8``): out[g] (=, or += in fp32) the sum
+    over the group's 128-row blocks kb of (the block's e4m3 products summed exactly, rounded to fp32) times
+    sa[kb, m] sb[kb, n], added in block order in fp32 -- the kernel's per-block promotion with an ideal block
+    accumulator (mokgen.fp8.gemm_128x1_128x1's arithmetic). a [M, rows] / b [N, rows]: e4m3 bits transposed
+    (quant_cols*), sa [rows / 128, M] / sb [rows / 128, N] their scales; any device."""
+    from . import fp8
+
+    gs = group_start.tolist()
+    qa, qb = a.view(fp8.E4M3), b.view(fp8.E4M3)
+    for g in range(len(gs) - 1):
+        r0, r1 = gs[g], gs[g + 1]
+        val = torch.zeros(out.shape[1:], dtype=torch.float32, device=out.device)
+        for k0 in range(r0, r1, fp8.BLOCK):
+            kb = k0 // fp8.BLOCK
+            part = (qa[:, k0:k0 + fp8.BLOCK].double() @ qb[:, k0:k0 + fp8.BLOCK].double().T).float()
+            val = val + (part * sa[kb].float().unsqueeze(1)) * sb[kb].float().unsqueeze(0)
+        if accumulate:
+            out[g] += val
+        else:
+            out[g] = val.to(out.dtype)
+
+
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
-                      training: bool = False) -> dict[str, Callable[..., None]]:
+                      training: bool = False, fp8_wgrads: tuple[str, ...] = ()) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
     from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
@@ -886,8 +909,13 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and ``fused`` (GEMM 1,
     GEMM 2 and combine). A dtype "fp8" / "mxfp8" spec gets its GEMMs under the same names with its argument
     tables (``gemm*_fp8`` / ``gemm*_mx``: float32 math on the dequantized operands) and its quantizers
-    (:mod:`mokgen.fp8_ops` / :mod:`mokgen.mx_ops`)."""
+    (:mod:`mokgen.fp8_ops` / :mod:`mokgen.mx_ops`). ``fp8_wgrads``: the weight gradients ("wgrad1", "wgrad2") a
+    dtype "fp8" plan runs in FP8 (plan ``wgrad*_dtype=fp8``): their ``wgrad*_fp8`` tables, and the column
+    quantizers."""
     from .kernels import bind
+
+    if set(fp8_wgrads) - {"wgrad1", "wgrad2"}:
+        raise ValueError(f"fp8_wgrads: names of weight gradients (wgrad1, wgrad2), got {fp8_wgrads!r}")
 
     cfg = layer_config(spec_or_cfg)
     E, S = cfg.local_experts, cfg.shared_experts
@@ -988,7 +1016,19 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
             tables.update(gemm1_train="gemm1_train_mx", dgrad1="dgrad1_mx", dgrad2="dgrad2_mx")
         for name in ("wgrad1", "wgrad2"):
             for acc in (False, True):
-                impls[name + ("_acc" if acc else "")] = (
-                    lambda a, b, group_start, out, num_ctas, _acc=acc:
-                    ref_wgrad(a, b, group_start, out, num_ctas, accumulate=_acc))
+                kernel = name + ("_acc" if acc else "")
+                if name in fp8_wgrads:
+                    if cfg.dtype != "fp8":
+                        raise ValueError(f"fp8_wgrads: FP8 weight gradients belong to dtype fp8, got {cfg.dtype}")
+                    impls[kernel] = (lambda a, sa, b, sb, group_start, out, num_ctas, _acc=acc:
+                                     ref_wgrad_fp8(a, sa, b, sb, group_start, out, num_ctas, accumulate=_acc))
+                    tables[kernel] = kernel + "_fp8"
+                else:
+                    impls[kernel] = (lambda a, b, group_start, out, num_ctas, _acc=acc:
+                                     ref_wgrad(a, b, group_start, out, num_ctas, accumulate=_acc))
+        if fp8_wgrads:
+            from .fp8_ops import reference_quant_kernels
+
+            q = reference_quant_kernels(bm)
+            bound.update(quant_cols_used=q["quant_cols_used"], quant_cols_gather=q["quant_cols_gather"])
     return {**{name: bind(name, impl, table=tables.get(name)) for name, impl in impls.items()}, **bound}

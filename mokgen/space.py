@@ -104,6 +104,9 @@ SM90 = ArchSpace(
              doc="the bf16 output: through the stage ring, TMA-stored by a storer warp, or through the epi_stages "
                  "buffers by the first consumer warp; derived: ring where the tile allows (TMA-loaded A, "
                  "cooperative, no cluster)"),
+        Knob("dtype", _WGRAD, ("bf16", "fp8"), search=("bf16", "fp8"),
+             doc="FP8 specs: the weight gradient's operands, bf16 rows as read, or e4m3 per 128 x 1 tile along the "
+                 "rows (quantized transposed by quant_cols*, promoted per element every 128 rows); derived: bf16"),
         Knob("streams", ("bwd",), (1, 2), search=(1, 2),
              doc="the backward's launch streams: 2 runs the weight gradients (and the x-row gather) on a second "
                  "stream beside dgrad2 and the combine, filling each kernel's last wave (one more [rows, hidden] "
@@ -196,7 +199,8 @@ BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1
                         "dgrad2_epi_store", "dgrad2_raster_group",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
-                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams")
+                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams",
+                        "wgrad1_dtype", "wgrad2_dtype")
 
 
 def backward_kernel(key: str) -> str:

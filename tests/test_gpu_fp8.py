@@ -165,7 +165,8 @@ def test_training_matches_reference_kernels(case):
     from mokgen.ops import CompiledMoE
 
     spec, moe, inp = case
-    refm = CompiledMoE(spec, moe.plan, functions=ref.reference_kernels(spec, moe.bm, training=True))
+    refm = CompiledMoE(spec, moe.plan, functions=ref.reference_kernels(spec, moe.bm, training=True,
+                                                                       fp8_wgrads=moe.fp8_wgrads))
     dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
     outs = []
     for m in (moe, refm):

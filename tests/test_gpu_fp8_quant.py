@@ -1,4 +1,4 @@
-"""The FP8 quantization kernels (quant_rows, quant_w, quant_wt, quant_cols) on a GPU (H200, sm_90a), built from
+"""The FP8 quantization kernels (quant_rows*, quant_w, quant_wt, quant_cols*) on a GPU (H200, sm_90a), built from
 templates/sm90/quant_*.py.j2 with mokgen.build and loaded with mokgen.ops.load_library.
 
 Per kernel: random bf16 inputs (no zeros) with an all-zero block, a block of huge values (near bf16's top), a
@@ -177,14 +177,48 @@ def test_quant_w(fns, kernel, G, N, K):
 @pytest.mark.parametrize("rows,K", [(1024, 512), (4096, 7168)])
 def test_quant_cols(fns, rows, K):
     x = randn(rows, K, seed=rows + K)
-    out = {"qt": ((K, rows), torch.uint8), "st": ((K, rows // 128), torch.float32)}
+    out = {"qt": ((K, rows), torch.uint8), "st": ((rows // 128, K), torch.float32)}
     got = check(fns, "quant_cols", {"x": x}, out)
     qt, st = fp8_ops.quantize_cols(fns, x)
     assert same_bits(qt, got["qt"]) and same_bits(st, got["st"])
     if K == 7168:
         big = torch.randn(TIMED_ROWS, K, device=DEV).to(torch.bfloat16)
         timed(fns, "quant_cols", {"x": big}, {"qt": ((K, TIMED_ROWS), torch.uint8),
-                                              "st": ((K, TIMED_ROWS // 128), torch.float32)}, f"[{TIMED_ROWS}, {K}]")
+                                              "st": ((TIMED_ROWS // 128, K), torch.float32)}, f"[{TIMED_ROWS}, {K}]")
+
+
+@pytest.mark.parametrize("rows,K,used_tiles", [(1024, 512, 5), (2048, 2880, 16), (512, 7168, 0)])
+@pytest.mark.parametrize("form", ["quant_cols_used", "quant_cols_gather"])
+def test_quant_cols_forms(fns, form, rows, K, used_tiles):
+    """The FP8 weight gradients' column quantizers: only the used rows' blocks (meta[0] 128-row tiles) are
+    written, bit for bit the reference's (the gathered form: rows x[row_src[r]], padding rows token 0, a row_src
+    of garbage past the used rows never read); a partial last 128-column block (K 2880); nothing written with no
+    used rows."""
+    meta = torch.tensor([used_tiles, 0, 0, 0], dtype=torch.int32, device=DEV)
+    n = used_tiles * 128
+    if form == "quant_cols_used":
+        x = randn(rows, K, seed=rows + K)
+        inputs = {"x": x, "meta": meta}
+    else:
+        T = 777
+        x = randn(T, K, seed=T + K)
+        row_src = torch.randint(0, T, (rows,), dtype=torch.int32, device=DEV)
+        if n:
+            row_src[n - 40:n] = 0                                # padding rows: token 0
+        row_src[n:] = 1 << 30                                    # garbage past the used rows: never read
+        inputs = {"x": x, "row_src": row_src, "meta": meta}
+    out = {"qt": ((K, rows), torch.uint8), "st": ((rows // 128, K), torch.float32)}
+    got = run(fns, form, inputs, out)
+    want = reference(form, inputs, out)
+    assert same_bits(got["qt"][:, :n], want["qt"][:, :n]) and same_bits(got["st"][:used_tiles], want["st"][:used_tiles])
+    assert bool((got["qt"][:, n:] == 255).all()) and bool(got["st"][used_tiles:].isnan().all())   # untouched
+    again = run(fns, form, inputs, out)
+    assert same_bits(again["qt"][:, :n], got["qt"][:, :n]) and same_bits(again["st"][:used_tiles], got["st"][:used_tiles])
+    if K == 7168 and form == "quant_cols_used":
+        big = torch.randn(TIMED_ROWS, K, device=DEV).to(torch.bfloat16)
+        m = torch.tensor([TIMED_ROWS // 128, 0, 0, 0], dtype=torch.int32, device=DEV)
+        timed(fns, form, {"x": big, "meta": m}, {"qt": ((K, TIMED_ROWS), torch.uint8),
+                                                  "st": ((TIMED_ROWS // 128, K), torch.float32)}, f"[{TIMED_ROWS}, {K}]")
 
 
 if __name__ == "__main__":  # python tests/test_gpu_fp8_quant.py build DIR

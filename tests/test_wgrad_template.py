@@ -87,7 +87,7 @@ def test_tile_order_matches_reference() -> None:
     src = tool.render(p, name="wgrad")
     tree = ast.parse(src)
     consts = [n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
-              and n.targets[0].id.isupper() and n.targets[0].id != "KERNEL_NAME"]
+              and n.targets[0].id.isupper() and n.targets[0].id not in ("KERNEL_NAME", "ELEM")]
     exec(compile(ast.Module(body=consts, type_ignores=[]), "consts", "exec"), ns)
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("raster", "tile_coords")]
     assert len(fns) == 2  # tile_coords composes the block library's raster

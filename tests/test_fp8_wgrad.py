@@ -1,0 +1,170 @@
+"""FP8 weight gradients (dtype fp8, plan ``wgrad1_dtype`` / ``wgrad2_dtype`` "fp8") on the CPU: the plan's tiles and
+one-line errors, the runtime's launches (the column quantizers, the wgrad*_fp8 argument tables) on the reference
+kernels, and the gradients against the float64 product of the operands the BF16 weight gradients read, each
+quantized per 128 x 1 tile as the kernels quantize them."""
+
+import pytest
+import torch
+
+from mokgen import fp8
+from mokgen import plan as P
+from mokgen import reference as R
+from mokgen.ops import GATHER_KERNEL, CompiledMoE, kernels_of
+from mokgen.spec import Spec
+
+H, I, E, K = 256, 384, 4, 2
+
+
+def _spec(T=300, bias=False):
+    return Spec(name="w8", hidden=H, ffn=I, experts=E, topk=K, tokens=T, dtype="fp8", bias=bias)
+
+
+def _inputs(spec, seed):
+    g = torch.Generator().manual_seed(seed)
+    T = spec.tokens
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    idx[: T // 2, 0] = 1   # a skewed expert: groups of several 128-row blocks
+    idx[: T // 2, 1] = torch.where(idx[: T // 2, 1] == 1, 2, idx[: T // 2, 1])
+    wt = torch.rand(T, K, generator=g)
+    b1 = b2 = None
+    if spec.bias:
+        b1 = torch.randn(E, 2 * I, generator=g) * 0.1
+        b2 = torch.randn(E, H, generator=g) * 0.1
+    return x, idx, wt, w1, w2, b1, b2
+
+
+def _moe(spec, pl, calls=None, captured=None):
+    fns = R.reference_kernels(spec, pl.bm, training=True, fp8_wgrads=tuple(
+        n for n in ("wgrad1", "wgrad2") if getattr(pl.backward, n).elem_bytes == 1))
+    if calls is not None or captured is not None:
+        def wrap(n, f):
+            def step(*a):
+                if calls is not None:
+                    calls.append(n)
+                if captured is not None:
+                    captured[n] = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+                return f(*a)
+            return step
+        fns = {n: wrap(n, f) for n, f in fns.items()}
+    return CompiledMoE(spec, pl, functions=fns, allow_cpu=True)
+
+
+def test_plan_fp8_wgrad_tiles_and_errors():
+    spec = _spec()
+    pl = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8")
+    for name in ("wgrad1", "wgrad2"):
+        g = getattr(pl.backward, name)
+        assert (g.bn, g.bk, g.elem_bytes, g.stage_scale_bytes) == (128, 128, 1, (128 + 128) * 4)
+        assert g.smem_bytes() <= 227 * 1024 and g.stages >= 3
+    assert pl.backward.dgrad1 == P.solve(spec).backward.dgrad1   # only the weight gradients change
+    only2 = P.solve(spec, wgrad2_dtype="fp8")
+    assert only2.backward.wgrad1.elem_bytes == 2 and only2.backward.wgrad2.elem_bytes == 1
+    assert P.solve(spec, wgrad1_dtype="bf16") == P.solve(spec) or \
+        P.solve(spec, wgrad1_dtype="bf16").backward == P.solve(spec).backward
+    with pytest.raises(P.PlanError, match=r"^plan\.wgrad1_dtype: must be one of bf16, fp8, got 'e5m2'$"):
+        P.solve(spec, wgrad1_dtype="e5m2")
+    bf16 = Spec(name="b", hidden=H, ffn=I, experts=E, topk=K, tokens=64)
+    with pytest.raises(P.PlanError, match=r"^plan\.wgrad2_dtype: FP8 weight gradients .*dtype fp8.*bf16$"):
+        P.solve(bf16, wgrad2_dtype="fp8")
+    assert {"quant_cols_used", "quant_cols_gather"} <= set(kernels_of(pl))
+    assert not {"quant_cols_used", "quant_cols_gather"} & set(kernels_of(P.solve(spec)))
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_fp8_wgrads_launches_and_gradients(streams):
+    """Both weight gradients in FP8: the launches are launch_sequence's; dx and the router gradient are the
+    BF16-wgrad step's bits (the weight gradients feed nothing else); dW1 / dW2 equal the float64 product of the
+    128 x 1-quantized operands that the BF16 weight gradients read (dz and the x rows; the dO rows and s a), per
+    group, within bf16 rounding; and FP8 really ran (they differ from the BF16 weight gradients by e4m3's
+    resolution)."""
+    spec = _spec()
+    x, idx, wt, w1, w2, b1, b2 = _inputs(spec, 1)
+    base = P.solve(spec, bwd_streams=streams)
+    cap = {}
+    m16 = _moe(spec, base, captured=cap)
+    y16, s16 = m16.forward_train(x, idx, wt, w1, w2)
+    dy = torch.randn(y16.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
+    g16 = m16.backward(dy, s16, x, wt, w1, w2)
+
+    pl = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8", bwd_streams=streams)
+    calls = []
+    m8 = _moe(spec, pl, calls=calls)
+    m8(x, idx, wt, w1, w2)   # the weights' e4m3 copies made outside the counted step
+    y8, s8 = m8.forward_train(x, idx, wt, w1, w2)
+    m8.backward(dy, s8, x, wt, w1, w2)
+    y8, s8 = m8.forward_train(x, idx, wt, w1, w2)
+    del calls[:]
+    g8 = m8.backward(dy, s8, x, wt, w1, w2)
+    assert torch.equal(y8, y16)
+    seq = m8.launch_sequence()
+    phase = {"gather_dO": GATHER_KERNEL, "gather_x": GATHER_KERNEL, "combine_dx": "combine",
+             "quant_cols_gather_dO": "quant_cols_gather", "quant_cols_used_sa": "quant_cols_used",
+             "quant_cols_used_dz": "quant_cols_used", "quant_cols_gather_x": "quant_cols_gather"}
+    first = next(i for i, p in enumerate(seq) if p in ("gather_dO", "quant_rows_gather") and i > 2)
+    assert calls == [phase.get(p, p) for p in seq[first:]], (calls, seq)
+    assert "gather_dO" not in seq and "gather_x" not in seq   # no bf16 row copies for the weight gradients
+    assert torch.equal(g8.x, g16.x) and torch.equal(g8.topk_weight, g16.topk_weight)
+
+    gs = cap["wgrad1"][2].tolist()
+    for name, (a, b) in (("w1", cap["wgrad1"][:2]), ("w2", cap["wgrad2"][:2])):
+        want = torch.zeros(getattr(g16, name).shape, dtype=torch.float64)
+        for e in range(E):
+            r0, r1 = gs[e], gs[e + 1]
+            if r1 > r0:
+                qa, sa = fp8.quantize_128x1(a[r0:r1], pow2=True)
+                qb, sb = fp8.quantize_128x1(b[r0:r1], pow2=True)
+                want[e] = fp8.gemm_128x1_128x1_f64(qa, sa, qb, sb)
+        got = getattr(g8, name)
+        assert bool(torch.isfinite(got).all())
+        assert R.rel_err(got.float(), want) < 6e-3, name   # bf16 rounding of an fp32 sum
+        e16 = R.rel_err(got.float(), getattr(g16, name).double())
+        assert 5e-3 < e16 < 0.1, (name, e16)   # e4m3's resolution: FP8 really ran
+
+
+def test_fp8_wgrad1_only_main_grad_and_bias():
+    """wgrad1 alone in FP8, with biases (dO's bf16 rows still gathered: db2 and the BF16 wgrad2 read them) and
+    fp32 main_grad accumulation: the accumulated dW1 is the bf16 output's fp32 twin, dW2 the BF16 path's bits."""
+    spec = _spec(T=200, bias=True)
+    x, idx, wt, w1, w2, b1, b2 = _inputs(spec, 2)
+    pl = P.solve(spec, wgrad1_dtype="fp8")
+    m8 = _moe(spec, pl)
+    y, sv = m8.forward_train(x, idx, wt, w1, w2, b1, b2)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
+    g = m8.backward(dy, sv, x, wt, w1, w2, b1, b2)
+    seq = m8.launch_sequence()
+    assert "gather_dO" in seq and "gather_x" not in seq and "quant_cols_used_dz" in seq
+    m16 = _moe(spec, P.solve(spec))
+    y16, sv16 = m16.forward_train(x, idx, wt, w1, w2, b1, b2)
+    g16 = m16.backward(dy, sv16, x, wt, w1, w2, b1, b2)
+    assert torch.equal(g.w2, g16.w2) and torch.equal(g.b1, g16.b1) and torch.equal(g.b2, g16.b2)
+    mg1, mg2 = torch.full(w1.shape, 0.5), torch.zeros(w2.shape)
+    y, sv = m8.forward_train(x, idx, wt, w1, w2, b1, b2)
+    m8.backward(dy, sv, x, wt, w1, w2, b1, b2, w1_main_grad=mg1, w2_main_grad=mg2)
+    assert R.rel_err(g.w1.float(), (mg1 - 0.5).double()) < 4e-3
+    assert 5e-3 < R.rel_err(g.w1.float(), g16.w1.double()) < 0.1
+
+
+def test_quant_cols_forms_match_the_quantizer():
+    """The column quantizers' reference steps (what the kernels match bit for bit): the used rows only, the
+    gathered rows (padding: token 0), st row-block-major, a partial last 128-column block."""
+    from mokgen import fp8_ops
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(384, 208, generator=g).bfloat16()   # 208 = 128 + 80: a partial column block
+    fns = fp8_ops.reference_quant_kernels(bm=128)
+    meta = torch.tensor([2, 0, 0, 0], dtype=torch.int32)
+    qt, st = fp8_ops.quantize_used_cols(fns, x, meta)
+    q, s = fp8.quantize_128x1(x[:256], pow2=True)
+    assert qt.shape == (208, 384) and st.shape == (3, 208)
+    assert torch.equal(qt[:, :256], q.view(torch.uint8).T) and torch.equal(st[:2], s)
+    row_src = torch.randint(0, 100, (384,), generator=g, dtype=torch.int32)
+    row_src[250:] = 0
+    tok = torch.randn(100, 208, generator=g).bfloat16()
+    qt, st = fp8_ops.quantize_gathered_cols(fns, tok, row_src, meta)
+    q, s = fp8.quantize_128x1(tok[row_src[:256].long()], pow2=True)
+    assert torch.equal(qt[:, :256], q.view(torch.uint8).T) and torch.equal(st[:2], s)
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        fp8_ops.quantize_gathered_cols(fns, tok, row_src[:200], meta)
