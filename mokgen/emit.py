@@ -294,12 +294,18 @@ FP8_QUANT = {
     "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
                  dict(transpose=True)),
     "quant_cols": ("sm90/quant_cols.py.j2", "FP8 quantization of columns: 128x1 tiles, transposed out (wgrad)",
-                   dict(bounded=False, gather=False)),
+                   dict(bounded=False, gather=False, rows_too=False)),
     "quant_cols_used": ("sm90/quant_cols.py.j2", "FP8 quantization of the used rows' columns (meta[0] * BM): "
-                        "128x1 tiles, transposed out (the wgrads' dz, s a)", dict(bounded=True, gather=False)),
+                        "128x1 tiles, transposed out (the wgrads' s a)", dict(bounded=True, gather=False, rows_too=False)),
     "quant_cols_gather": ("sm90/quant_cols.py.j2", "FP8 quantization of gathered token rows' columns (x[row_src[r]] "
                           "for the used rows): 128x1 tiles, transposed out (the wgrads' x, dO rows)",
-                          dict(bounded=False, gather=True)),
+                          dict(bounded=False, gather=True, rows_too=False)),
+    "quant_both_used": ("sm90/quant_cols.py.j2", "FP8 quantization of the used rows (meta[0] * BM) along both dims "
+                        "from one read: 1x128 row tiles and 128x1 column tiles, transposed (dz: dgrad2's and "
+                        "wgrad1's operands)", dict(bounded=True, gather=False, rows_too=True)),
+    "quant_both_gather": ("sm90/quant_cols.py.j2", "FP8 quantization of gathered token rows along both dims from one "
+                          "read: 1x128 row tiles and 128x1 column tiles, transposed (dO: dgrad1's and wgrad2's "
+                          "operands)", dict(bounded=False, gather=True, rows_too=True)),
 }
 
 

@@ -23,7 +23,8 @@ from .kernels import bind, call
 __all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
            "ref_quant_cols_used", "ref_quant_cols_gather", "reference_quant_kernels", "quantize_rows",
            "quantize_used_rows", "quantize_gathered_rows", "quantize_w", "quantize_cols", "quantize_used_cols",
-           "quantize_gathered_cols", "as_e4m3"]
+           "quantize_gathered_cols", "quantize_used_both", "quantize_gathered_both", "ref_quant_both_used",
+           "ref_quant_both_gather", "as_e4m3"]
 
 BLOCK = fp8.BLOCK
 VEC = 16   # the quantizers' vector: K (and W's N) must be multiples of it; 1x128 / 128x128 edge tiles may be partial
@@ -101,6 +102,18 @@ def ref_quant_rows_gather(x, row_src, meta, q, s, *, bm: int) -> None:
     ref_quant_rows(x[row_src[:n].long().clamp(min=0)], q[:n], s[:n])
 
 
+def ref_quant_both_used(x, meta, q, s, qt, st, *, bm: int) -> None:
+    """:func:`ref_quant_rows_used` and :func:`ref_quant_cols_used` of the same rows (one kernel, one read)."""
+    ref_quant_rows_used(x, meta, q, s, bm=bm)
+    ref_quant_cols_used(x, meta, qt, st, bm=bm)
+
+
+def ref_quant_both_gather(x, row_src, meta, q, s, qt, st, *, bm: int) -> None:
+    """:func:`ref_quant_rows_gather` and :func:`ref_quant_cols_gather` of the same gathered rows."""
+    ref_quant_rows_gather(x, row_src, meta, q, s, bm=bm)
+    ref_quant_cols_gather(x, row_src, meta, qt, st, bm=bm)
+
+
 def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
     """{kernel name: positional step} of the FP8 quantization kernels, in the argument table's order (``bm``: the
     routing tile that ``quant_rows_used``'s meta[0] counts)."""
@@ -112,7 +125,11 @@ def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
             "quant_cols_used": bind("quant_cols_used", lambda x, meta, qt, st: ref_quant_cols_used(x, meta, qt, st,
                                                                                                   bm=bm)),
             "quant_cols_gather": bind("quant_cols_gather", lambda x, row_src, meta, qt, st:
-                                      ref_quant_cols_gather(x, row_src, meta, qt, st, bm=bm))}
+                                      ref_quant_cols_gather(x, row_src, meta, qt, st, bm=bm)),
+            "quant_both_used": bind("quant_both_used", lambda x, meta, q, s, qt, st:
+                                    ref_quant_both_used(x, meta, q, s, qt, st, bm=bm)),
+            "quant_both_gather": bind("quant_both_gather", lambda x, row_src, meta, q, s, qt, st:
+                                      ref_quant_both_gather(x, row_src, meta, q, s, qt, st, bm=bm))}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -234,3 +251,36 @@ def quantize_gathered_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tenso
     if row_src.shape[0] % BLOCK:
         raise ValueError(f"quantize_gathered_cols: row_src must have a multiple of {BLOCK} rows, got {row_src.shape[0]}")
     return _cols_launch(fns, "quant_cols_gather", x, row_src.shape[0], row_src=row_src, meta=meta)
+
+
+def _both_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Tensor, rows: int,
+                 **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    K = x.shape[1]
+    dev = x.device
+    q = torch.empty((rows, K), dtype=torch.uint8, device=dev)
+    s = torch.empty((rows, _blocks(K)), dtype=torch.float32, device=dev)
+    qt = torch.empty((K, rows), dtype=torch.uint8, device=dev)
+    st = torch.empty((rows // BLOCK, K), dtype=torch.float32, device=dev)
+    if rows and K and x.shape[0]:
+        with _stream(x):
+            call(fns, kernel, x=x, **kw, q=q, s=s, qt=qt, st=st)
+    return q, s, qt, st
+
+
+def quantize_used_both(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, meta: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, qt, st): :func:`quantize_used_rows` and :func:`quantize_used_cols` of x's used rows from one read,
+    by ``quant_both_used`` (dz: dgrad2's 1x128 rows and the FP8 wgrad1's 128x1 columns)."""
+    _check("quantize_used_both", "x", x, 2, {0: BLOCK, 1: VEC})
+    return _both_launch(fns, "quant_both_used", x, x.shape[0], meta=meta)
+
+
+def quantize_gathered_both(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
+                           meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, qt, st): :func:`quantize_gathered_rows` and :func:`quantize_gathered_cols` of the gathered rows from
+    one read, by ``quant_both_gather`` (dO: dgrad1's 1x128 rows and the FP8 wgrad2's 128x1 columns)."""
+    _check("quantize_gathered_both", "x", x, 2, {1: VEC})
+    if row_src.shape[0] % BLOCK:
+        raise ValueError(f"quantize_gathered_both: row_src must have a multiple of {BLOCK} rows, got "
+                         f"{row_src.shape[0]}")
+    return _both_launch(fns, "quant_both_gather", x, row_src.shape[0], row_src=row_src, meta=meta)

@@ -131,6 +131,9 @@ _WGRAD_FP8_ACC = _WGRAD_FP8_IN + _WGRAD_ACC[3:]
 _QT = _t("qt", "u8", "cols", "rows", written=True, doc="[K, rows] e4m3 bits of x transposed (the used rows' columns)")
 _ST = _t("st", "fp32", "rblocks", "cols", written=True, align=4,
          doc="[rows/128, K] power-of-two scale per 128x1 tile (128-row block, column)")
+_Q_ROWS = _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits of the rows (1x128 tiles; the used rows)")
+_S_ROWS = _t("s", "fp32", "rows", "cblocks", written=True, align=4,
+             doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)")
 
 ARGS: dict[str, tuple[Arg, ...]] = {
     "routing": (
@@ -273,6 +276,15 @@ ARGS.update({
         _t("row_src", "int32", "rows", doc="[rows] token of each padded row (padding: token 0)"),
         _META, _QT, _ST,
     ),
+    "quant_both_used": (
+        _t("x", "bf16", "rows", "cols", doc="[rows, K] bf16 rows of the padded row space (K a multiple of 16)"),
+        _META, _Q_ROWS, _S_ROWS, _QT, _ST,
+    ),
+    "quant_both_gather": (
+        _t("x", "bf16", "tokens", "cols", doc="[T, K] bf16 token rows (K a multiple of 16)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (padding: token 0)"),
+        _META, _Q_ROWS, _S_ROWS, _QT, _ST,
+    ),
 })
 # the MXFP8 quantization kernels (dtype mxfp8, sm_100a, templates/sm100/quant_mx.py.j2): e4m3 bits and e8m0 codes
 # per 32 elements along K, the codes packed in the block-scaled MMA's SF atoms (mokgen.fp8.pack_mx_scales)
@@ -372,6 +384,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "quant_cols": {"rows": "BLOCK", "cols": "16", "rblocks": None},
     "quant_cols_used": {"rows": "BLOCK", "cols": "16", "rblocks": None},
     "quant_cols_gather": {"tokens": None, "rows": "BLOCK", "cols": "16", "rblocks": None},
+    "quant_both_used": {"rows": "BLOCK", "cols": "16", "rblocks": None, "cblocks": None},
+    "quant_both_gather": {"tokens": None, "rows": "BLOCK", "cols": "16", "rblocks": None, "cblocks": None},
     "quant_mx_gather": {"tokens": None, "rows": "BM", "sf_bytes": None},
     "quant_mx_used": {"rows": "BM", "sf_bytes": None},
     "quant_mx_w": {},
@@ -381,7 +395,7 @@ SYMBOLS.update({"ep_routing": {"tokens": None, "rows": "BM", "tiles": None}, "ep
                 "ep_push": {"rows": "BM"}})
 EP_KERNELS = ("ep_routing", "ep_dispatch", "ep_push")
 FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols",
-                     "quant_cols_used", "quant_cols_gather")
+                     "quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
 MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",
                     "quant_mx_w2": "quant_mx_w"}

@@ -413,9 +413,10 @@ class _DeviceState:
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
 # what an FP8 layer launches besides its GEMMs (mokgen/fp8_ops.py)
 FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
-# ... and the column quantizers of FP8 weight gradients (plan wgrad*_dtype "fp8"): dz / s a (used rows), x / dO
-# (gathered rows), transposed e4m3 with 128 x 1 scales
-FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather")
+# ... and the column quantizers of FP8 weight gradients (plan wgrad*_dtype "fp8"): s a (used rows), x (gathered
+# rows), transposed e4m3 with 128 x 1 scales; dz and dO along both dims from one read (quant_both_*: the rows for
+# the dgrads, the columns for the weight gradients)
+FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
 
 
 def fp8_wgrads(plan: Any) -> tuple[str, ...]:
@@ -937,16 +938,22 @@ class CompiledMoE:
                                                                           "gemm2", "combine")
         if not training:
             return fwd
-        # FP8 / MXFP8: dO's rows quantized before dgrad1, dz's used rows before dgrad2; an FP8 weight gradient's
-        # operands column-quantized (transposed) right before it, a BF16 one's x / dO rows gathered
-        q_dO = ("quant_rows_gather",) if self.fp8 else ("quant_mx_gather",) if self.mx else ()
-        q_dz = ("quant_rows_used",) if self.fp8 else ("quant_mx_dz",) if self.mx else ()
+        # FP8 / MXFP8: dO's rows quantized before dgrad1 and dz's used rows after it (FP8) or before dgrad2 (MXFP8).
+        # An FP8 weight gradient's operands are quantized along the rows (128 x 1, transposed): dO and dz with
+        # their 1x128 row form from one read (quant_both_*), s a and the x rows right before it; a BF16 one reads
+        # the gathered bf16 dO / x rows
         w8 = self.fp8_wgrads
+        if self.fp8:
+            q_dO = ("quant_both_gather_dO",) if "wgrad2" in w8 else ("quant_rows_gather",)
+            q_dz, q_dz2 = ("quant_both_used_dz",) if "wgrad1" in w8 else ("quant_rows_used",), ()
+        else:
+            q_dO = ("quant_mx_gather",) if self.mx else ()
+            q_dz, q_dz2 = (), ("quant_mx_dz",) if self.mx else ()
         gather_dO = () if "wgrad2" in w8 and not self.cfg.bias else ("gather_dO",)
-        head = gather_dO + q_dO + ("dgrad1",)
-        dgrad2 = q_dz + ("dgrad2", "combine_dx")
-        wgrad2 = (("quant_cols_gather_dO", "quant_cols_used_sa") if "wgrad2" in w8 else ()) + ("wgrad2",)
-        wgrad1 = (("quant_cols_used_dz", "quant_cols_gather_x") if "wgrad1" in w8 else ("gather_x",)) + ("wgrad1",)
+        head = gather_dO + q_dO + ("dgrad1",) + q_dz
+        dgrad2 = q_dz2 + ("dgrad2", "combine_dx")
+        wgrad2 = (("quant_cols_used_sa",) if "wgrad2" in w8 else ()) + ("wgrad2",)
+        wgrad1 = (("quant_cols_gather_x",) if "wgrad1" in w8 else ("gather_x",)) + ("wgrad1",)
         if self._bwd_streams == 2:   # host order: the side stream's weight gradients are launched first
             return fwd + head + wgrad2 + wgrad1 + dgrad2
         return fwd + head + wgrad2 + dgrad2 + wgrad1
@@ -1084,8 +1091,12 @@ class CompiledMoE:
             dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
             ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
-            if self.fp8:   # dO's rows gathered and quantized; W2's K-major transposed e4m3 copy
-                dq, dsc = fp8_ops.quantize_gathered_rows(f, dy, sv.row_src, sv.meta)
+            if self.fp8:   # dO's rows gathered and quantized (and its columns, for an FP8 wgrad2); W2's K-major
+                # transposed e4m3 copy
+                if "wgrad2" in w8:
+                    dq, dsc, dOt, dOs = fp8_ops.quantize_gathered_both(f, dy, sv.row_src, sv.meta)
+                else:
+                    dq, dsc = fp8_ops.quantize_gathered_rows(f, dy, sv.row_src, sv.meta)
                 w2t, w2ts = self._fp8_weights.get(f, w2, transpose=True)[2:]
                 call(f, "dgrad1", table="dgrad1_fp8", a=dq, w=w2t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
                      meta=sv.meta, sa=dsc, sb=w2ts, out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
@@ -1097,6 +1108,12 @@ class CompiledMoE:
             else:
                 call(f, "dgrad1", a=buf, w=w2, bias=dummy, row=sv.row_w, tile_group=sv.tile_group, meta=sv.meta,
                      out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
+            if self.fp8:   # dz's used rows quantized for dgrad2 (and its columns, for an FP8 wgrad1): before the
+                # weight gradients, which a second stream may run
+                if "wgrad1" in w8:
+                    dzq, dzs, dzt, dzts = fp8_ops.quantize_used_both(f, dz, sv.meta)
+                else:
+                    dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
             onehot = self._group_onehot(sv.tile_group)
             group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
             torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
@@ -1116,10 +1133,9 @@ class CompiledMoE:
             def x_rows_and_wgrad1() -> None:   # buf: the x rows, once wgrad2 has read the dO rows from it
                 kernel = "wgrad1" if dw1 is not None else "wgrad1_acc"
                 o = dw1 if dw1 is not None else w1_main_grad
-                if "wgrad1" in w8:   # dz's and the x rows' columns in e4m3 (128 x 1 tiles), transposed
-                    dzt, dzs = fp8_ops.quantize_used_cols(f, dz, sv.meta)
+                if "wgrad1" in w8:   # the x rows' columns in e4m3 (128 x 1 tiles), transposed; dz's made above
                     xt, xs = fp8_ops.quantize_gathered_cols(f, x, sv.row_src, sv.meta)
-                    call(f, kernel, table=kernel + "_fp8", a=dzt, sa=dzs, b=xt, sb=xs, group_start=group_start,
+                    call(f, kernel, table=kernel + "_fp8", a=dzt, sa=dzts, b=xt, sb=xs, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                     return
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
@@ -1128,8 +1144,7 @@ class CompiledMoE:
             with self._side_stream(dev, two):   # the weight gradients (all of them on the side stream with two)
                 kernel = "wgrad2" if dw2 is not None else "wgrad2_acc"
                 o = dw2 if dw2 is not None else w2_main_grad
-                if "wgrad2" in w8:   # the dO rows' and s a's columns in e4m3 (128 x 1 tiles), transposed
-                    dOt, dOs = fp8_ops.quantize_gathered_cols(f, dy, sv.row_src, sv.meta)
+                if "wgrad2" in w8:   # s a's columns in e4m3 (128 x 1 tiles), transposed; dO's made before dgrad1
                     sat, sas = fp8_ops.quantize_used_cols(f, sa, sv.meta)
                     call(f, kernel, table=kernel + "_fp8", a=dOt, sa=dOs, b=sat, sb=sas, group_start=group_start,
                          out=o, num_ctas=num_ctas)
@@ -1137,8 +1152,7 @@ class CompiledMoE:
                     call(f, kernel, a=buf, b=sa, group_start=group_start, out=o, num_ctas=num_ctas)
                 if two:
                     x_rows_and_wgrad1()
-            if self.fp8:   # dz's used rows quantized; W1's K-major transposed e4m3 copy
-                dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
+            if self.fp8:   # W1's K-major transposed e4m3 copy (dz's rows quantized above)
                 w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True)[2:]
                 call(f, "dgrad2", table="dgrad2_fp8", a=dzq, w=w1t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
                      meta=sv.meta, sa=dzs, sb=w1ts, out=dxs, num_ctas=num_ctas)

@@ -1030,5 +1030,6 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
             from .fp8_ops import reference_quant_kernels
 
             q = reference_quant_kernels(bm)
-            bound.update(quant_cols_used=q["quant_cols_used"], quant_cols_gather=q["quant_cols_gather"])
+            bound.update({k: q[k] for k in ("quant_cols_used", "quant_cols_gather", "quant_both_used",
+                                            "quant_both_gather")})
     return {**{name: bind(name, impl, table=tables.get(name)) for name, impl in impls.items()}, **bound}

@@ -101,9 +101,10 @@ def test_fp8_wgrads_launches_and_gradients(streams):
     assert torch.equal(y8, y16)
     seq = m8.launch_sequence()
     phase = {"gather_dO": GATHER_KERNEL, "gather_x": GATHER_KERNEL, "combine_dx": "combine",
-             "quant_cols_gather_dO": "quant_cols_gather", "quant_cols_used_sa": "quant_cols_used",
-             "quant_cols_used_dz": "quant_cols_used", "quant_cols_gather_x": "quant_cols_gather"}
-    first = next(i for i, p in enumerate(seq) if p in ("gather_dO", "quant_rows_gather") and i > 2)
+             "quant_both_gather_dO": "quant_both_gather", "quant_cols_used_sa": "quant_cols_used",
+             "quant_both_used_dz": "quant_both_used", "quant_cols_gather_x": "quant_cols_gather"}
+    first = seq.index("quant_both_gather_dO")
+    assert "quant_rows_gather" not in seq[first:] and "quant_rows_used" not in seq[first:]   # one read of dO, dz
     assert calls == [phase.get(p, p) for p in seq[first:]], (calls, seq)
     assert "gather_dO" not in seq and "gather_x" not in seq   # no bf16 row copies for the weight gradients
     assert torch.equal(g8.x, g16.x) and torch.equal(g8.topk_weight, g16.topk_weight)
@@ -135,7 +136,8 @@ def test_fp8_wgrad1_only_main_grad_and_bias():
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
     g = m8.backward(dy, sv, x, wt, w1, w2, b1, b2)
     seq = m8.launch_sequence()
-    assert "gather_dO" in seq and "gather_x" not in seq and "quant_cols_used_dz" in seq
+    assert "gather_dO" in seq and "gather_x" not in seq and "quant_both_used_dz" in seq
+    assert "quant_rows_gather" in seq[seq.index("gather_dO"):]   # dO's rows only: wgrad2 is BF16
     m16 = _moe(spec, P.solve(spec))
     y16, sv16 = m16.forward_train(x, idx, wt, w1, w2, b1, b2)
     g16 = m16.backward(dy, sv16, x, wt, w1, w2, b1, b2)
@@ -168,3 +170,59 @@ def test_quant_cols_forms_match_the_quantizer():
     assert torch.equal(qt[:, :256], q.view(torch.uint8).T) and torch.equal(st[:2], s)
     with pytest.raises(ValueError, match="multiple of 128 rows"):
         fp8_ops.quantize_gathered_cols(fns, tok, row_src[:200], meta)
+
+
+def test_quant_both_forms_are_rows_and_cols():
+    """The one-read quantizers (dO, dz) write what the row and the column quantizers write."""
+    from mokgen import fp8_ops
+
+    g = torch.Generator().manual_seed(4)
+    fns = fp8_ops.reference_quant_kernels(bm=128)
+    meta = torch.tensor([3, 0, 0, 0], dtype=torch.int32)
+    x = torch.randn(512, 2880 // 10, generator=g).bfloat16()   # 288 columns: a partial 1x128 tile
+    q, s, qt, st = fp8_ops.quantize_used_both(fns, x, meta)
+    q2, s2 = fp8_ops.quantize_used_rows(fns, x, meta)
+    qt2, st2 = fp8_ops.quantize_used_cols(fns, x, meta)
+    n = 384
+    assert torch.equal(q[:n], q2[:n]) and torch.equal(s[:n], s2[:n])
+    assert torch.equal(qt[:, :n], qt2[:, :n]) and torch.equal(st[:3], st2[:3])
+    row_src = torch.randint(0, 50, (512,), generator=g, dtype=torch.int32)
+    tok = torch.randn(50, 288, generator=g).bfloat16()
+    q, s, qt, st = fp8_ops.quantize_gathered_both(fns, tok, row_src, meta)
+    q2, s2 = fp8_ops.quantize_gathered_rows(fns, tok, row_src, meta)
+    qt2, st2 = fp8_ops.quantize_gathered_cols(fns, tok, row_src, meta)
+    assert torch.equal(q[:n], q2[:n]) and torch.equal(s[:n], s2[:n])
+    assert torch.equal(qt[:, :n], qt2[:, :n]) and torch.equal(st[:3], st2[:3])
+
+
+@pytest.mark.slow
+def test_fp8_wgrads_compile_for_sm90a(tmp_path):
+    """kimi-k2-fp8 with both weight gradients in FP8: the four wgrad kernels compile for sm_90a with e4m3 wgmma
+    (m64n128k32), TMA loads of the operands and of the scales, the per-element promotion (one FMUL and one FFMA
+    per accumulator element per K block), no ptxas advisory; the column quantizers convert with
+    cvt.rn.satfinite."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from mokgen import build
+    from mokgen.emit import emit
+    from mokgen.spec import load_spec
+
+    plan = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8")
+    src = emit(plan)
+    keep = {f"{k}.py" for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc", "quant_cols_used",
+                                "quant_cols_gather", "quant_both_used", "quant_both_gather")}
+    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
+                      tmp_path, progress=False)
+    for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        assert set(re.findall(r"wgmma\.mma_async\.\S+", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}, k
+        assert ptx.count("cp.async.bulk.tensor") >= 4, k   # A, B and their scales
+        assert len(re.findall(r"fma\.rn\.f32", ptx)) >= 64 and len(re.findall(r"mul\.f32", ptx)) >= 64, k
+    for k in ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather"):
+        assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
+    adv = build.ptxas_report(art)
+    if adv is not None:
+        assert not any(adv.values()), {k: v for k, v in adv.items() if v}

@@ -188,15 +188,15 @@ def test_quant_cols(fns, rows, K):
 
 
 @pytest.mark.parametrize("rows,K,used_tiles", [(1024, 512, 5), (2048, 2880, 16), (512, 7168, 0)])
-@pytest.mark.parametrize("form", ["quant_cols_used", "quant_cols_gather"])
+@pytest.mark.parametrize("form", ["quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather"])
 def test_quant_cols_forms(fns, form, rows, K, used_tiles):
-    """The FP8 weight gradients' column quantizers: only the used rows' blocks (meta[0] 128-row tiles) are
-    written, bit for bit the reference's (the gathered form: rows x[row_src[r]], padding rows token 0, a row_src
-    of garbage past the used rows never read); a partial last 128-column block (K 2880); nothing written with no
-    used rows."""
+    """The FP8 weight gradients' column quantizers (and the one-read forms that also write the 1x128 rows): only
+    the used rows' blocks (meta[0] 128-row tiles) are written, bit for bit the reference's (the gathered form:
+    rows x[row_src[r]], padding rows token 0, a row_src of garbage past the used rows never read); a partial last
+    128-column block (K 2880); nothing written with no used rows."""
     meta = torch.tensor([used_tiles, 0, 0, 0], dtype=torch.int32, device=DEV)
     n = used_tiles * 128
-    if form == "quant_cols_used":
+    if form.endswith("_used"):
         x = randn(rows, K, seed=rows + K)
         inputs = {"x": x, "meta": meta}
     else:
@@ -208,10 +208,15 @@ def test_quant_cols_forms(fns, form, rows, K, used_tiles):
         row_src[n:] = 1 << 30                                    # garbage past the used rows: never read
         inputs = {"x": x, "row_src": row_src, "meta": meta}
     out = {"qt": ((K, rows), torch.uint8), "st": ((rows // 128, K), torch.float32)}
+    if form.startswith("quant_both"):
+        out.update(q=((rows, K), torch.uint8), s=((rows, -(-K // 128)), torch.float32))
     got = run(fns, form, inputs, out)
     want = reference(form, inputs, out)
     assert same_bits(got["qt"][:, :n], want["qt"][:, :n]) and same_bits(got["st"][:used_tiles], want["st"][:used_tiles])
     assert bool((got["qt"][:, n:] == 255).all()) and bool(got["st"][used_tiles:].isnan().all())   # untouched
+    if "q" in out:
+        assert same_bits(got["q"][:n], want["q"][:n]) and same_bits(got["s"][:n], want["s"][:n])
+        assert bool((got["q"][n:] == 255).all()) and bool(got["s"][n:].isnan().all())
     again = run(fns, form, inputs, out)
     assert same_bits(again["qt"][:, :n], got["qt"][:, :n]) and same_bits(again["st"][:used_tiles], got["st"][:used_tiles])
     if K == 7168 and form == "quant_cols_used":
