@@ -102,7 +102,7 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
             out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
-    for key in [k for k in cfg if k.endswith("_promote") and cfg[k] == "stagger"]:
+    for key in [k for k in cfg if k.endswith("_promote") and cfg[k] == "stagger" and not k.startswith("wgrad")]:
         if not out and (why := P.stagger_problem(_fp8_gemm_of(P.solve(spec, arch), key.removesuffix("_promote")))):
             out.append(f"{key}: stagger {why}")
     if cfg.get("dgrad1_z_load") == "tma" and not out and (why := P.z_stage_problem(P.solve(spec, arch).backward.dgrad1)):
@@ -112,9 +112,21 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         if (d1.bn // 4) % cfg["dgrad1_z_chunk"]:
             out.append(f"dgrad1_z_chunk: {cfg['dgrad1_z_chunk']} does not divide the {d1.bn // 4} z pairs a thread "
                        f"holds (FP8 dgrad1 bn {d1.bn})")
-    wgrad = {k: v for k, v in cfg.items() if k.startswith("wgrad")}
+    fp8_w = {n for n in ("wgrad1", "wgrad2") if cfg.get(f"{n}_dtype") == "fp8"}
+    for n in ("wgrad1", "wgrad2"):
+        if f"{n}_promote" in cfg and n not in fp8_w:
+            out.append(f"{n}_promote: the promotion applies to FP8 weight gradients ({n}_dtype=fp8)")
+        if n in fp8_w and cfg.get(f"{n}_bn", P.FP8_BN) != P.FP8_BN:
+            out.append(f"{n}_bn: FP8 weight gradients run 128 x 128 tiles")
+    wgrad = {k: v for k, v in cfg.items() if k.startswith("wgrad") and S.backward_kernel(k) not in fp8_w
+             and not k.endswith(("_dtype", "_promote"))}
     if not out and wgrad:   # the BF16 weight-gradient GEMMs: their own constraints
         out += _check_backward_config(spec, arch, wgrad)
+    if not out and fp8_w and any(k.endswith("_stages") and S.backward_kernel(k) in fp8_w for k in cfg):
+        try:   # the FP8 tile's stages: within what fits (the plan says)
+            P.solve(spec, arch, **{k: v for k, v in cfg.items() if S.backward_kernel(k) in fp8_w})
+        except P.PlanError as e:
+            out.append(str(e).removeprefix("plan."))
     return out
 
 
@@ -313,12 +325,14 @@ def enumerate_backward_configs(spec: Any, arch: str = "sm_90a", fixed: Mapping[s
     base = P.solve(spec, arch, **fixed).backward
     seen = {base}
     for axis in axes:
+        if axis in fixed:   # fixed by the caller (a base plan's choice): not an axis around it
+            continue
         kernel, _, key = axis.partition("_")
         for value in sp_.knob(key, kernel).search or ():
             cfg = {axis: value}
             if check_config(spec, arch, {**fixed, **cfg}):
                 continue
-            bwd = P.solve(spec, arch, **fixed, **cfg).backward
+            bwd = P.solve(spec, arch, **{**fixed, **cfg}).backward
             if bwd in seen:
                 continue
             seen.add(bwd)

@@ -341,6 +341,8 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
         if plan.spec.dtype != "fp8":
             raise EmitError(f"{what}.elem_bytes: FP8 weight gradients belong to dtype fp8 specs, got "
                             f"{plan.spec.dtype}")
+        if g.promote not in ("serial", "stagger"):
+            raise EmitError(f"{what}.promote: the FP8 weight gradients promote serial or stagger, got {g.promote!r}")
         if g.bk != 128 or plan.bm % g.bk or g.bn != 128:
             raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 with 128-row K steps that divide the routing "
                             f"tile (got bn {g.bn}, bk {g.bk}, routing tile {plan.bm})")
@@ -351,7 +353,7 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
     return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
                 stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
                 accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
-                epi_ring=epi_ring, epi_w=epi_w, fp8=fp8, **_table(table))
+                epi_ring=epi_ring, epi_w=epi_w, fp8=fp8, promote=g.promote if fp8 else "serial", **_table(table))
 
 
 def _epi_ring(g: Any, parts: int, what: str) -> tuple[bool, int]:

@@ -952,9 +952,47 @@ def _settle_streams(plan: Plan, streams: Any) -> Plan:
 WGRAD_DTYPE_KEYS = ("wgrad1_dtype", "wgrad2_dtype")
 
 
+WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
+
+
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     wgrad_dtypes = {k: overrides.pop(k) for k in WGRAD_DTYPE_KEYS if k in overrides}
+    wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
+    # an FP8 weight gradient's tile is fp8_wgrad's (128 x 128, K step 128): its stages apply to that tile
+    fp8_stages = {}
+    for key, value in wgrad_dtypes.items():
+        name = key.removesuffix("_dtype")
+        if value != "fp8":
+            continue
+        if f"{name}_bn" in overrides and overrides[f"{name}_bn"] != FP8_BN:
+            raise PlanError(f"plan.{name}_bn: FP8 weight gradients run 128 x 128 tiles ({key}=fp8), got "
+                            f"{overrides[f'{name}_bn']}")
+        if f"{name}_stages" in overrides:
+            fp8_stages[name] = overrides.pop(f"{name}_stages")
     plan = _solve_dtype_gemms(spec, arch, **overrides)
+    plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes)
+    for name, value in fp8_stages.items():
+        g = getattr(plan.backward, name)
+        stages, most = _int_override(f"{name}_stages", value), _stages_most(get_arch(arch), g)
+        if not MIN_STAGES <= stages <= most:
+            raise PlanError(f"plan.{name}_stages: must be in [{MIN_STAGES}, {most}] for the FP8 {name} on {arch}, "
+                            f"got {stages}")
+        plan = dataclasses.replace(plan, backward=dataclasses.replace(
+            plan.backward, **{name: dataclasses.replace(g, stages=stages)}))
+    for key, value in wgrad_promotes.items():
+        name = key.removesuffix("_promote")
+        legal = _SPACE.values("promote", name)
+        if value not in legal:
+            raise PlanError(f"plan.{key}: must be one of {', '.join(legal)}, got {value!r}")
+        g = plan.backward and getattr(plan.backward, name)
+        if g is None or g.elem_bytes != 1:
+            raise PlanError(f"plan.{key}: the promotion applies to FP8 weight gradients ({name}_dtype=fp8)")
+        plan = dataclasses.replace(plan, backward=dataclasses.replace(
+            plan.backward, **{name: dataclasses.replace(g, promote=value)}))
+    return plan
+
+
+def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, Any]) -> Plan:
     for key, value in wgrad_dtypes.items():
         name = key.removesuffix("_dtype")
         if value not in WGRAD_DTYPES:

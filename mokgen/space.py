@@ -104,6 +104,9 @@ SM90 = ArchSpace(
              doc="the bf16 output: through the stage ring, TMA-stored by a storer warp, or through the epi_stages "
                  "buffers by the first consumer warp; derived: ring where the tile allows (TMA-loaded A, "
                  "cooperative, no cluster)"),
+        Knob("promote", _WGRAD, ("serial", "stagger"), search=("serial", "stagger"),
+             doc="FP8 weight gradients: each K block's wgmma waited before its promotion (serial), or the two "
+                 "warpgroups one block apart on tiles of at least STAGES blocks (stagger); derived: serial"),
         Knob("dtype", _WGRAD, ("bf16", "fp8"), search=("bf16", "fp8"),
              doc="FP8 specs: the weight gradient's operands, bf16 rows as read, or e4m3 per 128 x 1 tile along the "
                  "rows (quantized transposed by quant_cols*, promoted per element every 128 rows); derived: bf16"),
@@ -200,7 +203,7 @@ BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
                         "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams",
-                        "wgrad1_dtype", "wgrad2_dtype")
+                        "wgrad1_dtype", "wgrad2_dtype", "wgrad1_promote", "wgrad2_promote")
 
 
 def backward_kernel(key: str) -> str:

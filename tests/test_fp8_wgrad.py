@@ -197,7 +197,7 @@ def test_quant_both_forms_are_rows_and_cols():
 
 @pytest.mark.slow
 def test_fp8_wgrads_compile_for_sm90a(tmp_path):
-    """kimi-k2-fp8 with both weight gradients in FP8: the four wgrad kernels compile for sm_90a with e4m3 wgmma
+    """kimi-k2-fp8 with both weight gradients in FP8 (wgrad2 staggered): the four wgrad kernels compile for sm_90a with e4m3 wgmma
     (m64n128k32), TMA loads of the operands and of the scales, the per-element promotion (one FMUL and one FFMA
     per accumulator element per K block), no ptxas advisory; the column quantizers convert with
     cvt.rn.satfinite."""
@@ -210,7 +210,8 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
     from mokgen.emit import emit
     from mokgen.spec import load_spec
 
-    plan = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8")
+    plan = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8",
+                   wgrad2_promote="stagger")
     src = emit(plan)
     keep = {f"{k}.py" for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc", "quant_cols_used",
                                 "quant_cols_gather", "quant_both_used", "quant_both_gather")}
@@ -221,6 +222,8 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
         assert set(re.findall(r"wgmma\.mma_async\.\S+", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}, k
         assert ptx.count("cp.async.bulk.tensor") >= 4, k   # A, B and their scales
         assert len(re.findall(r"fma\.rn\.f32", ptx)) >= 64 and len(re.findall(r"mul\.f32", ptx)) >= 64, k
+        # wgrad2 staggers its warpgroups' promotions (named barrier 5), wgrad1 does not
+        assert ("bar.arrive 5, 256" in ptx) == k.startswith("wgrad2"), k
     for k in ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather"):
         assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
     adv = build.ptxas_report(art)

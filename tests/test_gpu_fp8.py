@@ -212,3 +212,43 @@ def test_promote_modes_same_bits(case):
                                    b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
                     f"{spec.name}: grad {name} bits differ with promote={mode}"
         other.check_errors()
+
+
+def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case):
+    """With FP8 weight gradients (MOKGEN_GPU_OVERRIDES wgrad1_dtype=fp8 / wgrad2_dtype=fp8): dW1 / dW2 have the
+    same bits under both promotions (serial; stagger: the two warpgroups one K block apart on tiles of at least
+    STAGES blocks), across 66 and 132 CTAs and from run to run (random and skewed routing); dx and the router
+    gradient equal the BF16-wgrad step's bits (the weight gradients feed nothing else); dW against the BF16
+    weight gradients: e4m3's resolution (reported)."""
+    spec, moe, inp = case
+    if not moe.fp8_wgrads:
+        pytest.skip("the plan's weight gradients are BF16 (set MOKGEN_GPU_OVERRIDES=wgrad1_dtype=fp8,...)")
+    flip = {f"{n}_promote": "stagger" if getattr(moe.plan.backward, n).promote == "serial" else "serial"
+            for n in moe.fp8_wgrads}
+    other = mokgen.compile(spec, overrides={**OVERRIDES, **flip})
+    bf16w = mokgen.compile(spec, overrides={k: v for k, v in OVERRIDES.items()
+                                            if not k.startswith(("wgrad1_", "wgrad2_"))})
+    dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
+    fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=3, routing="skewed")
+
+    def step(m, c, **kw):
+        y, saved = m.forward_train(c.x, c.topk_idx, c.topk_weight, c.w1, c.w2, c.b1, c.b2, **kw)
+        return m.backward(dy, saved, c.x, c.topk_weight, c.w1, c.w2, c.b1, c.b2, **kw)
+
+    def same(a, b):
+        return torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+    for c in (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight)):
+        runs = [step(moe, c), step(moe, c), step(moe, c, num_ctas=66), step(other, c), step(bf16w, c)]
+        torch.cuda.synchronize()
+        for n in ("w1", "w2"):
+            g = getattr(runs[0], n)
+            assert bool(torch.isfinite(g).all()), f"{spec.name}: d{n} not finite"
+            for i, what in ((1, "run to run"), (2, "66 vs 132 CTAs"), (3, f"promotion {flip}")):
+                assert same(g, getattr(runs[i], n)), f"{spec.name}: d{n} bits differ: {what}"
+            err = ref.rel_err(g.float(), getattr(runs[4], n).double())
+            print(f"{spec.name}: FP8 d{n} vs the BF16 weight gradient: rel err {err:.3e}")
+            assert err < 0.1, f"d{n}: {err:.3e} from the BF16 weight gradient"
+        assert same(runs[0].x, runs[4].x) and same(runs[0].topk_weight, runs[4].topk_weight)
+    other.check_errors()
