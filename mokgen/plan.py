@@ -1009,6 +1009,12 @@ def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, 
                 plan.backward, **{name: fp8_wgrad(spec, _fp8_arch(arch), name, getattr(plan.backward, name),
                                                   plan.bm)}),
                 notes=plan.notes + (f"overrides: {key}=fp8",))
+    if plan.backward is not None and spec.dtype == "fp8":   # the FP8 note says which weight gradients are FP8
+        w8 = [n for n in ("wgrad1", "wgrad2") if getattr(plan.backward, n).elem_bytes == 1]
+        say = ("FP8 weight-gradient GEMMs (128 x 1 tiles along the rows)" if len(w8) == 2 else
+               f"weight gradients: {w8[0]} FP8, the other BF16" if w8 else "BF16 weight-gradient GEMMs")
+        plan = dataclasses.replace(plan, notes=tuple(n.replace("BF16 weight-gradient GEMMs", say)
+                                                     for n in plan.notes))
     return plan
 
 
@@ -1582,6 +1588,41 @@ def explain(plan: Plan, top: int = 5) -> str:
         *(_describe_candidate(spec, arch, p) for p in ranked[:top]),
         _verdict(spec, arch, plan, ranked),
     ]
+    if plan.backward is not None:
+        lines += ["", *_explain_backward(plan)]
     if plan.notes:
         lines += ["notes:", *(f"  - {n}" for n in plan.notes)]
     return "\n".join(lines)
+
+
+_BACKWARD_WHAT = {"dgrad1": "dA' = dO rows . W2, dSwiGLU + router-gradient epilogue -> dz, s a",
+                  "dgrad2": "dx rows = dz . W1", "wgrad1": "dW1[g] = dzᵀ . x rows", "wgrad2": "dW2[g] = dO rowsᵀ . (s a)"}
+
+
+def _explain_backward(plan: Plan) -> list[str]:
+    """The training kernels' choices (BackwardPlan): per GEMM its operands, tile, stages and output path."""
+    spec, b = plan.spec, plan.backward
+    lines = [f"backward (training, {b.streams} stream{'s' if b.streams > 1 else ''}"
+             + ("; the weight gradients on the second, beside dgrad2 and the combine" if b.streams == 2 else "") + "):"]
+    for name in BACKWARD_GEMMS:
+        g = getattr(b, name)
+        m, n, k = backward_shape(spec, name)
+        shape = f"N = {n}, K = {k}" if k is not None else f"M = {m}, N = {n} per group, K = the group's rows"
+        if g.elem_bytes == 1 and name.startswith("wgrad"):
+            form = (f"FP8 e4m3, both operands per 128 x 1 tile along the rows (transposed by quant_cols* / "
+                    f"quant_both*), each K block promoted per element ({g.promote})")
+        elif g.elem_bytes == 1:
+            form = f"FP8 e4m3 (A per 1x128, W per 128x128), promotion {g.promote}"
+        else:
+            form = "BF16"
+        out = ("ring (TMA-stored by the storer warp)" if g.epi_store == "ring"
+               else f"smem ({g.epi_stages} x {g.epi_n} columns)")
+        extra = ""
+        if name == "dgrad1":
+            extra = f"; z {g.z_load} (chunk {g.z_chunk})"
+        lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}",
+                  f"    tile {g.tile_m} x {g.bn} ({g.consumer}), K step {g.bk}, stages {g.stages} "
+                  f"({g.smem_bytes()} B smem), raster {g.raster_group}, output {out}{extra}"
+                  + ("; with main_grad: an fp32 read-add-write from the accumulators" if name.startswith("wgrad")
+                     else "")]
+    return lines

@@ -229,3 +229,15 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
     adv = build.ptxas_report(art)
     if adv is not None:
         assert not any(adv.values()), {k: v for k, v in adv.items() if v}
+
+
+def test_explain_shows_the_backward_choices():
+    """plan --explain has a backward section: each backward GEMM's operand type, tile, stages and output path;
+    the FP8 note says which weight gradients are FP8."""
+    spec = _spec()
+    text = P.explain(P.solve(spec, wgrad2_dtype="fp8", wgrad2_promote="stagger"))
+    back = text[text.index("backward (training"):]
+    assert "wgrad2  dW2[g]" in back and "per 128 x 1 tile along the rows" in back and "(stagger)" in back
+    assert back.count("BF16") == 1   # wgrad1 only (the dgrads are FP8)
+    assert "weight gradients: wgrad2 FP8, the other BF16" in text and "BF16 weight-gradient GEMMs" not in text
+    assert "BF16 weight-gradient GEMMs" in P.explain(P.solve(spec))
