@@ -236,7 +236,7 @@ def test_explain_shows_the_backward_choices():
     the FP8 note says which weight gradients are FP8."""
     spec = _spec()
     text = P.explain(P.solve(spec, wgrad2_dtype="fp8", wgrad2_promote="stagger"))
-    back = text[text.index("backward (training"):]
+    back = text[text.index("backward (training"):text.index("notes:")]
     assert "wgrad2  dW2[g]" in back and "per 128 x 1 tile along the rows" in back and "(stagger)" in back
     assert back.count("BF16") == 1   # wgrad1 only (the dgrads are FP8)
     assert "weight gradients: wgrad2 FP8, the other BF16" in text and "BF16 weight-gradient GEMMs" not in text
