@@ -369,7 +369,12 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
     if "torch_grouped_mm" in impls:
         run("torch_grouped_mm", lambda: B.torch_grouped_mm(x, idx, tw, w1, w2, spec, b1=b1, b2=b2))
     mokgen_runs = [("mokgen", None)] if "mokgen" in impls else []
-    mokgen_runs += [(BF.variant_name(v), v) for v in (variants or [])]
+    for v in variants or []:
+        fp8_only = [k for k in v if k.endswith(("_promote", "_dtype")) or k == "promote"]
+        if fp8_only and getattr(spec, "dtype", "bf16") != "fp8":   # FP8 knobs: a variant of the FP8 twins only
+            _log(f"[{shape}] {BF.variant_name(v)}: skipped ({', '.join(fp8_only)} apply to dtype fp8 specs)")
+            continue
+        mokgen_runs.append((BF.variant_name(v), v))
     keep = []
     for name, ov in mokgen_runs:
         moe = None
