@@ -32,6 +32,7 @@ class Arch:
     templates: bool = False  # kernel templates exist (emit renders this arch)
     training: bool = False  # its backward kernels exist (plans carry a backward; entries can train)
     note: str = ""  # what `mokgen compile` says after building for this arch (what was verified where)
+    peak_fp8_tflops: float = 0.0  # dense e4m3 tensor-core rate (0: the arch has no FP8 plan)
 
 
 ARCHS: dict[str, Arch] = {
@@ -39,7 +40,9 @@ ARCHS: dict[str, Arch] = {
     "sm_90a": Arch("sm_90a", 132, 232448 - 1024, 65536, 1024, True, False, 811.0, 4.27, 50 * 2**20,
                    capability=(9, 0), device_bytes=141 * 10**9,
                    ptx_features=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier"), templates=True,
-                   training=True),
+                   training=True,
+                   # torch._scaled_mm 8192^3 e4m3, rowwise scales, measured on our H200 (fp8-h200.json, NOTES v14)
+                   peak_fp8_tflops=1253.0),
     # B200 datasheet figures (180 GB), until we can measure one.
     "sm_100a": Arch("sm_100a", 148, 232448 - 1024, 65536, 1024, False, True, 2250.0, 8.0, 126 * 2**20,
                     capability=(10, 0), device_bytes=180 * 10**9,

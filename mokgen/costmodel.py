@@ -60,6 +60,7 @@ PRIORS: dict[str, float] = {
     "cluster2": 0.0, "fused": 0.0,
     "gather_pass": 1.0, "glue": 1.0, "weights": 0.0,
     "tiles.gather": 0.0, "tiles.tma": 0.0, "tiles.tma_rows": 0.0,
+    "fp8": 1.0,   # an FP8 plan's whole forward by the plan's fitted FP8 model (fit_fp8); no BF16 record varies it
 }
 TERMS = tuple(PRIORS)
 RIDGE = 0.05  # weight of (theta - prior) / max(prior, 1) against relative residuals
@@ -80,6 +81,17 @@ def features(spec: Spec, plan: Any) -> dict[str, tuple[float, float]]:
     peak = a.peak_bf16_tflops * 1e9  # flop per ms
     hbm = a.hbm_tbps * 1e9  # bytes per ms
     g1, g2 = plan.gemm1, plan.gemm2
+    if g1.elem_bytes == 1:   # FP8: the plan's FP8 model (mokgen.plan FP8_MAINLOOP_EFF ...), as a line through
+        f = {t: (0.0, 0.0) for t in TERMS}   # its times at two token counts
+        t_lo, t_hi = T_RANGE[0], T_RANGE[1]
+        ms = []
+        for t in (t_lo, t_hi):
+            s_t = with_tokens(spec, t)
+            c1, c2, glue = P._costs(s_t, a, g1, g2)
+            ms.append(c1.ms + c2.ms + glue)
+        slope = (ms[1] - ms[0]) / (t_hi - t_lo)
+        f["fp8"] = (slope, ms[0] - slope * t_lo)
+        return f
     bm = plan.bm
     K, Sx, E, G, H, I = spec.topk, spec.shared_experts, spec.local_experts, spec.groups, spec.hidden, spec.ffn
     # padded rows = (K + S) T + E (bm - 1) / 2 (expected padding of the routed groups; shared groups have T rows)
@@ -478,3 +490,123 @@ def piecewise(spec: Spec, arch: str, theta: Mapping[str, float], *, configs: Ite
 def _short(k: str) -> str:
     c = json.loads(k)
     return ",".join(f"{a}={b}" for a, b in sorted(c.items())) or "(default)"
+
+
+# ---- the FP8 forward's mainloop efficiencies (plan.FP8_MAINLOOP_EFF) ---------------------------------------
+# The H200 runs whose FP8 forward records ran today's kernels and default plans (ce02f25: overlap promotion for
+# the forward GEMMs, 128-column tiles; gemm2_bn=256 and the promote overrides are variants of the same kernels).
+# Call 3's overlap rows ran a reverted variant (scale loads three blocks ahead: bench/NOTES.md v14), so only its
+# serial rows are used.
+FP8_RUNS = ("2026-12-04 twelfth session, device call 1", "2026-12-04 twelfth session, device call 2",
+            "2026-12-04 twelfth session, device call 5")
+FP8_SERIAL_RUNS = ("2026-12-04 twelfth session, device call 3",)
+FP8_BENCH_FILES = (_REPO / "bench" / "results" / "forward-h200.json", _REPO / "bench" / "results" / "fp8-h200.json")
+FP8_PRIOR_EFF = 0.75   # before any FP8 record: the FP8 GEMMs' tensor pipe was 58-71% active under ncu (NOTES v14)
+FP8_FIT_KEYS = ((1, "overlap"), (1, "serial"), (2, "overlap"), (2, "serial"), (2, "wide"))
+
+
+def fp8_records(paths: Iterable[Path] = FP8_BENCH_FILES, arch: str = "sm_90a") -> list[Record]:
+    """The FP8 forward records of :data:`FP8_RUNS` (mokgen rows of ``*-fp8`` shapes in the forward benchmark,
+    ``mokgen_fp8`` rows in the FP8 benchmark, whose shape is the BF16 preset run with dtype fp8), each with the
+    plan today's solver gives its overrides."""
+    out: list[Record] = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        for i, r in enumerate(data if isinstance(data, list) else []):
+            run, impl, shape = str(r.get("run") or ""), str(r.get("impl", "")), str(r.get("shape", ""))
+            if impl == "mokgen_fp8":
+                ov: dict[str, Any] | None = {}
+            elif shape.endswith("-fp8"):
+                ov = _impl_overrides(impl)
+            else:
+                continue
+            serial = ov is not None and ov.get("gemm1_promote") == ov.get("gemm2_promote") == "serial"
+            if ov is None or not (run.startswith(FP8_RUNS) or (run.startswith(FP8_SERIAL_RUNS) and serial)):
+                continue
+            ms, d = r.get("median_ms"), r.get("dims") or {}
+            if not isinstance(ms, (int, float)) or ms <= 0 or not d.get("T"):
+                continue
+            try:
+                spec = load_spec(shape)
+                if spec.dtype != "fp8":
+                    spec = dataclasses.replace(spec, name=f"{spec.name}-fp8", dtype="fp8")
+                spec = with_tokens(spec, int(d["T"]))
+                p = P.solve(spec, arch, **ov)
+            except Exception:  # noqa: BLE001 - a shape or override today's solver does not plan: not usable
+                continue
+            out.append(Record(spec.to_dict(), spec.tokens, ov, p.to_dict(), float(ms),
+                              f"{Path(path).name}#{i} {r.get('versions', {}).get('mokgen')} {impl}"))
+    return out
+
+
+FP8_EXTRA = ("weights", "tiles")   # the fit's other terms: weight bytes over HBM, per (group x N tile) start-up
+
+
+def fp8_terms(spec: Spec, plan: Any) -> tuple[dict[Any, float], float]:
+    """({term: ms at coefficient 1}, the rest of the forward's ms) of an FP8 plan: per FP8_MAINLOOP_EFF key the
+    GEMMs' compute at efficiency 1 (the coefficient is 1 / eff), "weights" the e4m3 weights' bytes over HBM (what
+    the weight stream adds beside the compute), "tiles" 1 us per (group x N tile) of both GEMMs; the rest, at
+    coefficient 1: the quantizers' and the routing / combine bytes over HBM (plan._glue_bytes)."""
+    a = P.get_arch(plan.arch)
+    hbm = a.hbm_tbps * 1e9
+    f: dict[Any, float] = {"weights": 0.0, "tiles": 0.0}
+    for which, g in ((1, plan.gemm1), (2, plan.gemm2)):
+        key = P.fp8_eff_key(which, g)
+        n, k = P._gemm_shape(spec, which)
+        c = P._gemm_cost(spec, a, which, g)
+        f[key] = f.get(key, 0.0) + c.flops / (a.peak_fp8_tflops * 1e9 * c.row_eff * c.n_eff * c.wave_eff)
+        f["weights"] += spec.groups * n * k * g.elem_bytes / hbm
+        f["tiles"] += spec.groups * g.n_tiles * 1e-3
+    return f, P._glue_bytes(spec, plan.gemm1) / hbm
+
+
+def fit_fp8(records: Sequence[Record], prior: float = FP8_PRIOR_EFF, ridge: float = RIDGE) -> dict[str, Any]:
+    """The FP8 forward's cost coefficients fitted to ``records``: least squares on relative residuals, linear in
+    1 / eff per FP8_MAINLOOP_EFF key and in the "weights" / "tiles" coefficients, ridge toward the priors (1 /
+    ``prior``; 0), kept >= 0; a term no record varies keeps its prior, and "stagger" takes "serial"'s value
+    (measured no faster: NOTES v13). Returns {"eff": {key: eff}, "weights", "tiles", "rms_rel_err",
+    "prior_rms_rel_err", "inputs"}."""
+    import numpy as np
+
+    terms = list(FP8_FIT_KEYS) + list(FP8_EXTRA)
+    pri = np.array([1 / prior] * len(FP8_FIT_KEYS) + [0.0] * len(FP8_EXTRA))
+    rows, rests, ys, info = [], [], [], []
+    for r in records:
+        f, rest = fp8_terms(Spec.from_dict(r.spec), _plan_view(r.plan))
+        rows.append([f.get(t, 0.0) for t in terms])
+        rests.append(rest)
+        ys.append(r.ms)
+        info.append(r)
+    theta = pri.copy()
+    if rows:
+        A, rest, y = np.array(rows), np.array(rests), np.array(ys)
+        Ar = A / y[:, None]
+        free = [j for j in range(len(terms)) if np.any(A[:, j] != 0)]
+        scale = np.maximum(np.abs(pri), 1.0)
+        for _ in range(len(terms)):
+            fixed = [j for j in range(len(terms)) if j not in free]
+            rhs = 1 - rest / y - Ar[:, fixed] @ theta[fixed]
+            M = np.vstack([Ar[:, free], math.sqrt(ridge) * np.diag(1 / scale[free])])
+            b = np.concatenate([rhs, math.sqrt(ridge) * pri[free] / scale[free]])
+            sol, *_ = np.linalg.lstsq(M, b, rcond=None)
+            theta[free] = sol
+            neg = [j for j, v in zip(free, sol) if v < 0]
+            if not neg:
+                break
+            for j in neg:
+                theta[j] = 0.0
+                free.remove(j)
+    eff = {k: float(1 / theta[j]) for j, k in enumerate(FP8_FIT_KEYS)}
+    eff[(1, "stagger")], eff[(2, "stagger")] = eff[(1, "serial")], eff[(2, "serial")]
+    out: dict[str, Any] = {"eff": eff, **{t: float(theta[len(FP8_FIT_KEYS) + i]) for i, t in enumerate(FP8_EXTRA)},
+                           "inputs": [], "rms_rel_err": 0.0, "prior_rms_rel_err": 0.0}
+    if rows:
+        pred, ppred = A @ theta + rest, A @ pri + rest
+        out["rms_rel_err"] = float(np.sqrt(np.mean((pred / y - 1) ** 2)))
+        out["prior_rms_rel_err"] = float(np.sqrt(np.mean((ppred / y - 1) ** 2)))
+        out["inputs"] = [{"source": r.source, "spec": r.spec.get("name"), "T": r.tokens, "overrides": r.overrides,
+                          "ms": r.ms, "fitted_ms": round(float(p), 4)} for r, p in zip(info, pred)]
+    return out

@@ -533,6 +533,24 @@ class _GemmCost:
         return "memory" if self.memory_ms > self.compute_ms else "compute"
 
 
+# The FP8 forward GEMMs' mainloop efficiency against the arch's dense FP8 rate (Arch.peak_fp8_tflops), per GEMM and
+# promotion ("wide": 128 x 256 tiles in two wgmma halves, serial), fitted to the H200's FP8 forward records
+# (mokgen.costmodel.fit_fp8: ce02f25 kernels, 19 records of 6 shapes; tests/test_costmodel_fp8.py checks that
+# these constants are the fit of the committed records). Replaces the BF16 model for FP8 plans.
+# With it two fitted terms: FP8_WEIGHT_COEF x the e4m3 weights' bytes over HBM (the weight stream's cost beside the
+# compute: gpt-oss-120b's 3.2 GB per layer) and FP8_TILE_MS per (group x N tile) start-up. Fitted relative rms
+# error 1.9% (the BF16 model's constants on the same records: 8.4%). "stagger" has no record: serial's value.
+FP8_MAINLOOP_EFF = {(1, "overlap"): 0.850, (1, "serial"): 0.794, (1, "stagger"): 0.794,
+                    (2, "overlap"): 0.809, (2, "serial"): 0.772, (2, "stagger"): 0.772, (2, "wide"): 0.727}
+FP8_WEIGHT_COEF = 0.238
+FP8_TILE_MS = 0.0099e-3
+
+
+def fp8_eff_key(which: int, g: GemmPlan) -> tuple[int, str]:
+    """The FP8_MAINLOOP_EFF key of FP8 forward GEMM `which` (1, 2)."""
+    return which, "wide" if g.mma_split == 2 else g.promote
+
+
 def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
     n, k = _gemm_shape(spec, which)
     m_tiles = _m_tiles(spec, g.bm)
@@ -541,13 +559,21 @@ def _gemm_cost(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> _GemmCost:
     row_eff = spec.rows / padded
     n_eff = n / (g.n_tiles * g.bn)
     wave_eff = tiles / (-(-tiles // arch.sms) * arch.sms)
-    mainloop_eff = MAINLOOP_EFF[g.bn] * (PINGPONG_EFF[which] if g.consumer == "pingpong" else 1.0)
+    fp8 = g.elem_bytes == 1 and arch.peak_fp8_tflops > 0
+    if fp8:
+        mainloop_eff = FP8_MAINLOOP_EFF[fp8_eff_key(which, g)]
+    else:
+        mainloop_eff = MAINLOOP_EFF[g.bn] * (PINGPONG_EFF[which] if g.consumer == "pingpong" else 1.0)
     flops = 2 * spec.rows * n * k
     a_rows = spec.rows if which == 1 else padded  # GEMM1 gathers only real rows; GEMM2 reads all of h
     out_cols = spec.ffn if which == 1 else spec.hidden
     bias_bytes = 4 * spec.groups * n if spec.bias else 0
-    nbytes = ELEM_BYTES * (spec.groups * n * k + a_rows * k + padded * out_cols) + bias_bytes
-    compute_ms = flops / (arch.peak_bf16_tflops * 1e9 * row_eff * n_eff * wave_eff * mainloop_eff)
+    nbytes = g.elem_bytes * (spec.groups * n * k + a_rows * k) + ELEM_BYTES * padded * out_cols + bias_bytes
+    peak = arch.peak_fp8_tflops if fp8 else arch.peak_bf16_tflops
+    compute_ms = flops / (peak * 1e9 * row_eff * n_eff * wave_eff * mainloop_eff)
+    if fp8:   # the fitted FP8 model's other terms (FP8_WEIGHT_COEF, FP8_TILE_MS)
+        compute_ms += (FP8_WEIGHT_COEF * spec.groups * n * k * g.elem_bytes / (arch.hbm_tbps * 1e9)
+                       + FP8_TILE_MS * spec.groups * g.n_tiles)
     memory_ms = nbytes / (arch.hbm_tbps * 1e9)
     return _GemmCost(flops, nbytes, tiles, row_eff, n_eff, wave_eff, mainloop_eff, compute_ms, memory_ms)
 
@@ -558,6 +584,10 @@ def _glue_bytes(spec: Spec, g1: GemmPlan) -> int:
     slots = spec.tokens * (spec.topk + spec.shared_experts)
     routing = 8 * spec.routed_rows + 8 * _m_tiles(spec, g1.bm) * g1.bm + 4 * slots
     gather = 2 * ELEM_BYTES * spec.rows * spec.hidden if g1.a_load == "tma" else 0
+    if g1.elem_bytes == 1:   # FP8: x's rows gathered and quantized (quant_rows_gather), h's quantized (quant_rows_used)
+        padded = _m_tiles(spec, g1.bm) * g1.bm
+        gather = (spec.rows * spec.hidden * (ELEM_BYTES + 1 + 4 / 128)
+                  + padded * spec.ffn * (ELEM_BYTES + 1 + 4 / 128))
     combine = 4 * slots + ELEM_BYTES * spec.rows * spec.hidden + ELEM_BYTES * spec.tokens * spec.hidden
     return routing + gather + combine
 
@@ -591,6 +621,16 @@ def _make_plan(spec: Spec, arch: Arch, g1: GemmPlan, g2: GemmPlan, notes: tuple[
         notes=_auto_notes(spec, arch, g2, c1, c2) + notes, schedule=schedule,
         backward=backward_plan(spec, arch, bm),
     )
+
+
+def _with_prediction(spec: Spec, arch: Arch, plan: Plan) -> Plan:
+    """`plan` with its predicted time and waves recomputed from its GEMMs as they are now (the FP8 form replaces
+    the GEMMs of a solved BF16 plan)."""
+    c1, c2, glue_ms = _costs(spec, arch, plan.gemm1, plan.gemm2)
+    ms = c1.ms + c2.ms + glue_ms
+    return dataclasses.replace(plan, waves1=round(c1.tiles / arch.sms, 3), waves2=round(c2.tiles / arch.sms, 3),
+                               predicted_ms=float(f"{ms:.6g}"),
+                               predicted_tflops=round(spec.flops_forward / ms / 1e9, 1))
 
 
 def _auto_notes(spec: Spec, arch: Arch, g2: GemmPlan, c1: _GemmCost, c2: _GemmCost) -> tuple[str, ...]:
@@ -1106,7 +1146,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                 mode = "serial"
             gemms[name] = dataclasses.replace(gemms[name], promote=mode)
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
-    return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
+    return _with_prediction(spec, a, dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"],
+                                                         backward=backward))
 
 
 def stagger_problem(g: GemmPlan) -> str | None:
@@ -1130,16 +1171,23 @@ def _fp8_arch(arch: str) -> Arch:
 
 def fp8_plan(spec: Spec, a: Arch, plan: Plan) -> Plan:
     """The FP8 form of a cooperative BF16 plan: the forward GEMMs and the backward's dgrads by :func:`fp8_gemm`
-    (the dgrads read the weights' K-major transposed e4m3 copies), the wgrads BF16, the chain schedule. The
-    ranking and predicted times are still the BF16 cost model's (no FP8 records fitted yet)."""
+    (the dgrads read the weights' K-major transposed e4m3 copies), the wgrads BF16 (``wgrad*_dtype`` overrides:
+    FP8), the chain schedule; the predicted time from the FP8 model (FP8_MAINLOOP_EFF and its terms)."""
     backward = plan.backward
     if backward is not None:
         backward = dataclasses.replace(backward, dgrad1=fp8_gemm(spec, a, 3, backward.dgrad1),
                                        dgrad2=fp8_gemm(spec, a, 4, backward.dgrad2))
-    notes = plan.notes + ("fp8: e4m3 forward and dgrad GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's "
-                          "recipe); BF16 weight-gradient GEMMs; the predicted times are the BF16 model's",)
-    return dataclasses.replace(plan, gemm1=fp8_gemm(spec, a, 1, plan.gemm1), gemm2=fp8_gemm(spec, a, 2, plan.gemm2),
-                               schedule="chain", notes=notes, backward=backward)
+    g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), fp8_gemm(spec, a, 2, plan.gemm2)
+    # the BF16 GEMMs' automatic notes (a partial N tile of their tile N, ...) do not describe the FP8 tiles
+    bf16_auto = set(_auto_notes(spec, a, plan.gemm2, *_costs(spec, a, plan.gemm1, plan.gemm2)[:2]))
+    notes = (_auto_notes(spec, a, g2, *_costs(spec, a, g1, g2)[:2])
+             + tuple(n for n in plan.notes if n not in bf16_auto)
+             + ("fp8: e4m3 forward and dgrad GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's "
+                "recipe); BF16 weight-gradient GEMMs; the forward's predicted time is the FP8 model's "
+                "(fitted to the FP8 forward records)",))
+    chunk = max(_chunk_rows(a, g1.n_tiles, plan.bm), _chunk_rows(a, g2.n_tiles, plan.bm))
+    return _with_prediction(spec, a, dataclasses.replace(
+        plan, gemm1=g1, gemm2=g2, schedule="chain", notes=notes, backward=backward, chunk_rows=chunk))
 
 
 # ---- FP8 (e4m3, blockwise scales) ----------------------------------------------------------------------------
@@ -1502,8 +1550,10 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
         f"two warpgroups one block apart, no gain measured: bench/NOTES.md v13)",
         f"  raster_group = {g.raster_group}; tiles = {_m_tiles(spec, g.bm)} M x {g.n_tiles} N = {c.tiles}; waves = "
         f"{waves:.2f} -> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
-        "  cost below: the BF16 model's (no FP8 records fitted; the measured FP8 GEMMs ran 786-868 TFLOP/s on "
-        "kimi-k2, bench/NOTES.md v11)",
+        f"  cost below: the FP8 model (dense e4m3 {arch.peak_fp8_tflops:g} TFLOP/s x mainloop efficiency "
+        f"{FP8_MAINLOOP_EFF[fp8_eff_key(which, g)]:.3f} for {fp8_eff_key(which, g)[1]}, + {FP8_WEIGHT_COEF:g} x the "
+        f"e4m3 weights' bytes over HBM, + {FP8_TILE_MS * 1e6:g} ns per (group x N tile); fitted to the H200's FP8 "
+        f"forward records: mokgen.costmodel.fit_fp8)",
     ]
 
 
@@ -1532,7 +1582,7 @@ def _verdict(spec: Spec, arch: Arch, plan: Plan, ranked: list[Plan]) -> str:
     if other.predicted_ms > plan.predicted_ms:
         gap = other.predicted_ms / plan.predicted_ms - 1
         return f"{label} wins: {plan.predicted_ms:.4f} ms, {_pct(gap)} ahead of the runner-up {o_label}"
-    mine, theirs = (_rank_key(spec, arch, p)[1] for p in (plan, other))
+    mine, theirs = (_rank_key(spec, arch, p)[2] for p in (plan, other))
     return (f"{label} ties {o_label} on predicted time (memory bound) and wins on compute time "
             f"{mine:.4f} vs {theirs:.4f} ms")
 
