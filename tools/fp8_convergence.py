@@ -5,7 +5,7 @@ seed; both loss curves printed, one record written.
     python tools/fp8_convergence.py [--steps 300] [--tokens 2048] [--hidden 512] [--ffn 256] [--experts 8]
                                     [--topk 2] [--batches 4] [--lr 1e-3] [--seed 0]
                                     [--out bench/results/fp8-train-h200.json]
-                                    [--dry-run]
+                                    [--fp8-set wgrad1_dtype=fp8,wgrad2_dtype=fp8] [--dry-run]
 
 The task: a fixed random *teacher* MoE layer in plain float32 torch (its own router, top-k softmax weights
 renormalized over the k slots, SwiGLU experts: ``silu(x W_gate^T) * (x W_up^T) W_down^T``) maps fresh
@@ -218,19 +218,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help=f"JSON list the record is appended to (default {DEFAULT_OUT}; "
                     "with --dry-run: nothing)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the reference kernels, a tiny task")
+    ap.add_argument("--fp8-set", default="", metavar="K=V,...",
+                    help="plan overrides of the FP8 run (e.g. wgrad1_dtype=fp8,wgrad2_dtype=fp8: FP8 weight "
+                         "gradients too); the BF16 run takes the default plan")
     a = ap.parse_args(argv)
+    from mokgen.plan import parse_overrides
+
+    fp8_ov = parse_overrides(a.fp8_set)
     base = Task(**DRY) if a.dry_run else Task()
     t = dataclasses.replace(base, **{k: getattr(a, k) for k in dataclasses.asdict(base) if getattr(a, k) is not None})
     if a.dry_run:
         from mokgen.integrations.common import reference_compiler
 
-        device, compiler, out = torch.device("cpu"), reference_compiler(bm=16), a.out
+        device, compiler, out = torch.device("cpu"), reference_compiler(bm=16, fp8_overrides=fp8_ov), a.out
     elif torch.cuda.is_available():
-        device, compiler, out = torch.device("cuda"), None, a.out or DEFAULT_OUT
+        device, out = torch.device("cuda"), a.out or DEFAULT_OUT
+        compiler = (lambda spec: mokgen.compile(spec, overrides=fp8_ov if spec.dtype == "fp8" else None)) \
+            if fp8_ov else None
     else:
         print("fp8_convergence: no CUDA device (use --dry-run for the CPU smoke mode)", file=sys.stderr)
         return 2
     rec = run_check(t, device, compiler)
+    rec["fp8_overrides"] = dict(fp8_ov)
     print_curves(rec, every=max(1, t.steps // 12))
     if out and out != "-":
         p = Path(out)

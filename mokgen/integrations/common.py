@@ -56,19 +56,20 @@ class CompiledSpecs:
             self.epoch += 1
 
 
-def reference_compiler(bm: int = 16) -> Callable[[Spec], Any]:
+def reference_compiler(bm: int = 16, fp8_overrides: Mapping[str, Any] | None = None) -> Callable[[Spec], Any]:
     """A factory of CPU ``CompiledMoE`` objects running mokgen's launch sequence with the reference kernels of
     :mod:`mokgen.reference` (training included), routing tile ``bm``: for tests on machines without a GPU. FP8
-    specs (``dtype: fp8``) run the launch sequence of their sm_90a plan (the quantize steps; its routing tile)."""
+    specs (``dtype: fp8``) run the launch sequence of their sm_90a plan (the quantize steps; its routing tile),
+    solved with ``fp8_overrides`` (e.g. ``wgrad1_dtype="fp8"``: the FP8 weight gradients and their quantizers)."""
     from .. import reference
 
     def make(spec: Spec) -> Any:
         if getattr(spec, "dtype", "bf16") == "fp8":   # the FP8 launch sequence (quantize steps) follows a plan
             from .. import plan as P
 
-            pl = P.solve(spec, "sm_90a")
-            return ops.CompiledMoE(spec, pl, functions=reference.reference_kernels(spec, pl.bm, training=True),
-                                   allow_cpu=True)
+            pl = P.solve(spec, "sm_90a", **dict(fp8_overrides or {}))
+            fns = reference.reference_kernels(spec, pl.bm, training=True, fp8_wgrads=ops.fp8_wgrads(pl))
+            return ops.CompiledMoE(spec, pl, functions=fns, allow_cpu=True)
         return ops.CompiledMoE(spec, bm, functions=reference.reference_kernels(spec, bm, training=True),
                                allow_cpu=True)
 
