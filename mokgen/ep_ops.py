@@ -36,7 +36,7 @@ import torch
 
 from . import reference as R
 from .kernels import EP_KERNELS, bind, call
-from .ops import MoEInputError, RoutingError, load_library, uses_gather_kernel
+from .ops import MoEInputError, RoutingError, group_layout, group_sums, load_library, uses_gather_kernel
 
 __all__ = ["PeerBuffers", "EPMoE", "EPSaved", "recv_capacity", "reference_ep_kernels", "ref_ep_routing",
            "ref_ep_dispatch", "ref_ep_push", "EP_LAYER_KERNELS", "EP_TRAIN_KERNELS"]
@@ -407,13 +407,11 @@ class EPMoE:
         # the owners' router gradients: T_r * K slots and one spare row that masked-out rows write into
         dtw_buf = [torch.zeros(T[r] * K + 1, dtype=torch.float32, device=dev) for r in range(n)]
         dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
-        g_ids = torch.arange(G, dtype=torch.int32, device=dev)
         out: list[dict[str, Any]] = [dict() for _ in range(n)]
         row_grad: list[torch.Tensor] = [None] * n   # type: ignore[list-item]
         dxs_of: list[torch.Tensor] = [None] * n     # type: ignore[list-item]
         for d in order:
             sv, cap = saved.ranks[d], caps[d]
-            tiles = cap // bm
             dog = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
             call(f, "ep_dispatch", x_ptrs=dys.ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"],
                  meta=sv["meta"], xg=dog)
@@ -422,13 +420,9 @@ class EPMoE:
             ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
             call(f, "dgrad1", a=dog, w=w2[d], bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"],
                  meta=sv["meta"], out=sa, z=sv["z"], dz=dz, ds=ds, num_ctas=num_ctas)
-            onehot = sv["tile_group"].unsqueeze(0) == g_ids.unsqueeze(1)          # [G, tiles]
-            group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
-            torch.cumsum(onehot.sum(1, dtype=torch.int32) * bm, 0, out=group_start[1:])
-            used = (sv["tile_group"] >= 0).unsqueeze(1)
+            onehot, group_start = group_layout(sv["tile_group"], G, bm)
             if b2 is not None:
-                part = torch.bmm(sv["row_w"].view(tiles, 1, bm), dog.view(tiles, bm, H).float()).squeeze(1)
-                out[d]["b2"] = onehot.float() @ torch.where(used, part, 0.0)
+                out[d]["b2"] = group_sums(onehot, sv["tile_group"], dog, bm, row_weight=sv["row_w"])
                 grp = sv["tile_group"].long().repeat_interleave(bm).clamp(min=0)
                 b2_term = torch.gather(dog.float() @ b2[d].t(), 1, grp.unsqueeze(1)).squeeze(1)
             dw2 = torch.empty_like(w2[d])
@@ -442,8 +436,7 @@ class EPMoE:
             dw1 = torch.empty_like(w1[d])
             call(f, "wgrad1", a=dz, b=xg, group_start=group_start, out=dw1, num_ctas=num_ctas)
             if b1 is not None:
-                part = torch.sum(dz.view(tiles, bm, 2 * I), dim=1, dtype=torch.float32)
-                out[d]["b1"] = onehot.float() @ torch.where(used, part, 0.0)
+                out[d]["b1"] = group_sums(onehot, sv["tile_group"], dz, bm)
             out[d]["w1"], out[d]["w2"] = dw1, dw2
             row_grad[d] = ds.sum(1)   # each row's router gradient: its partials in N-tile order
             if b2 is not None:   # + <dO row, b2[g]> of the row's group (from the dO rows, before xg reuses them)

@@ -135,6 +135,31 @@ def kernels_of(plan: Any) -> tuple[str, ...]:
     return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
 
 
+def group_layout(tile_group: torch.Tensor, groups: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(onehot [groups, tiles] bool: routing tile m belongs to group g (unused tiles are -1: no group), group_start
+    [groups + 1] int32: the first row of each group in the padded row space, the weight gradients' K ranges),
+    from the routing kernel's tile_group, on its device (no host sync)."""
+    g_ids = torch.arange(groups, dtype=torch.int32, device=tile_group.device)
+    onehot = tile_group.unsqueeze(0) == g_ids.unsqueeze(1)
+    group_start = torch.zeros((groups + 1,), dtype=torch.int32, device=tile_group.device)
+    torch.cumsum(onehot.sum(1, dtype=torch.int32) * bm, 0, out=group_start[1:])
+    return onehot, group_start
+
+
+def group_sums(onehot: torch.Tensor, tile_group: torch.Tensor, rows: torch.Tensor, bm: int,
+               row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """[groups, N] fp32: per group, the sum over its rows of ``rows`` [tiles * bm, N] (each times ``row_weight``
+    [tiles * bm] where given) in a fixed order: within each routing tile, then over the group's tiles (the bias
+    gradients: db1 from dz, db2 from the dO rows weighted by s). Unused tiles add nothing."""
+    tiles = tile_group.shape[0]
+    view = rows.view(tiles, bm, rows.shape[1])
+    if row_weight is None:
+        part = torch.sum(view, dim=1, dtype=torch.float32)
+    else:
+        part = torch.bmm(row_weight.view(tiles, 1, bm), view.float()).squeeze(1)
+    return onehot.float() @ torch.where((tile_group >= 0).unsqueeze(1), part, 0.0)
+
+
 def _bm_of(plan: Any) -> int:
     bm = plan if isinstance(plan, int) else getattr(plan, "bm", None)
     if not isinstance(bm, int) or bm <= 0:
@@ -1027,11 +1052,6 @@ class CompiledMoE:
             self._record_errors(st, self._routing_flag(sv.meta, topk_idx))
         return y, sv
 
-    def _group_onehot(self, tile_group: torch.Tensor) -> torch.Tensor:
-        """[G, tiles] bool: routing tile m belongs to group g (unused tiles are -1: no group)."""
-        g_ids = torch.arange(self.cfg.groups, dtype=torch.int32, device=tile_group.device)
-        return tile_group.unsqueeze(0) == g_ids.unsqueeze(1)
-
     def backward(self, dy, saved: Saved, x, topk_weight, w1, w2, b1=None, b2=None, *,
                  w1_main_grad: torch.Tensor | None = None, w2_main_grad: torch.Tensor | None = None,
                  out: reference.Grads | None = None, num_ctas: int | None = None) -> reference.Grads:
@@ -1075,7 +1095,6 @@ class CompiledMoE:
                                    z("w2", w2) if w2_main_grad is None else None, None if b1 is None else z("b1", b1),
                                    None if b2 is None else z("b2", b2))
         cap = saved.z.shape[0]
-        tiles = cap // self.bm
         dummy = self._state(dev).dummy
         db2 = db1 = None
         f = self._fns
@@ -1114,12 +1133,9 @@ class CompiledMoE:
                     dzq, dzs, dzt, dzts = fp8_ops.quantize_used_both(f, dz, sv.meta)
                 else:
                     dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
-            onehot = self._group_onehot(sv.tile_group)
-            group_start = torch.zeros((G + 1,), dtype=torch.int32, device=dev)
-            torch.cumsum(onehot.sum(1, dtype=torch.int32) * self.bm, 0, out=group_start[1:])
+            onehot, group_start = group_layout(sv.tile_group, G, self.bm)
             if b2 is not None:   # db2[g] = sum of s * dO over the group's rows (fixed order: per tile, then tiles)
-                part = torch.bmm(sv.row_w.view(tiles, 1, self.bm), buf.view(tiles, self.bm, H).float()).squeeze(1)
-                db2 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
+                db2 = group_sums(onehot, sv.tile_group, buf, self.bm, row_weight=sv.row_w)
             dw2 = dw1 = None
             if w2_main_grad is None:
                 dw2 = out.w2 if out.w2 is not None else torch.empty_like(w2)
@@ -1175,8 +1191,7 @@ class CompiledMoE:
                 dtw = dtw + torch.gather(dy.float() @ b2.t(), 1, grp)
             dtw = torch.where(valid, dtw, 0.0).to(topk_weight.dtype)
             if b1 is not None:   # db1[g] = sum of dz over the group's rows
-                part = torch.sum(dz.view(tiles, self.bm, 2 * I), dim=1, dtype=torch.float32)
-                db1 = onehot.float() @ torch.where((sv.tile_group >= 0).unsqueeze(1), part, 0.0)
+                db1 = group_sums(onehot, sv.tile_group, dz, self.bm)
             if two:
                 self._join_side_stream(dev)
             else:
