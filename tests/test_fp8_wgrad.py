@@ -241,3 +241,27 @@ def test_explain_shows_the_backward_choices():
     assert back.count("BF16") == 1   # wgrad1 only (the dgrads are FP8)
     assert "weight gradients: wgrad2 FP8, the other BF16" in text and "BF16 weight-gradient GEMMs" not in text
     assert "BF16 weight-gradient GEMMs" in P.explain(P.solve(spec))
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_fp8_wgrads_empty_experts_and_tiny_T(T):
+    """Experts with no rows get zero weight gradients (untouched main_grad), T = 1 and an odd T run, and the FP8
+    weight gradients stay close to the BF16 ones where there are rows."""
+    spec = _spec(T=T)
+    x, idx, wt, w1, w2, *_ = _inputs(spec, 5)
+    idx = torch.stack([torch.zeros(T, dtype=torch.int32), torch.full((T,), 2, dtype=torch.int32)], 1)  # 1, 3 empty
+    m8 = _moe(spec, P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8"))
+    m16 = _moe(spec, P.solve(spec))
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(11)).bfloat16()
+    g = {}
+    for name, m in (("fp8", m8), ("bf16", m16)):
+        y, sv = m.forward_train(x, idx, wt, w1, w2)
+        g[name] = m.backward(dy, sv, x, wt, w1, w2)
+    for n in ("w1", "w2"):
+        got = getattr(g["fp8"], n)
+        assert bool((got[[1, 3]] == 0).all()), n
+        assert 0 < R.rel_err(got[[0, 2]].float(), getattr(g["bf16"], n)[[0, 2]].double()) < 0.1, n
+    mg1 = torch.full(w1.shape, 0.25)
+    y, sv = m8.forward_train(x, idx, wt, w1, w2)
+    m8.backward(dy, sv, x, wt, w1, w2, w1_main_grad=mg1, w2_main_grad=torch.zeros(w2.shape))
+    assert bool((mg1[[1, 3]] == 0.25).all())
