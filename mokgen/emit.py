@@ -16,6 +16,7 @@ import jinja2
 
 from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation, _environment, _header, _table,
                         _w1_strides, template_hash)
+from . import kernels
 from .emit_sm100 import emit_sm100 as _emit_sm100
 from .plan import L2_HINTS, Plan, epi_ring_problem, z_ring_problem, z_stage_problem
 
@@ -245,8 +246,8 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
         raise EmitError(f"plan.arch: kernel templates exist for sm_90a and sm_100a, got {plan.arch!r}")
     spec = plan.spec
     render = Renderer(plan)
-    if spec.dtype == "fp8":  # the quantization kernels; the FP8 GEMMs are planned separately
-        render.files.update(emit_fp8_quant(plan, env=render.env, thash=render.thash))
+    if spec.dtype == "fp8":  # the quantization kernels the layer launches; the FP8 GEMMs are planned separately
+        render.files.update(emit_fp8_quant(plan, fp8_quant_kernels(plan), env=render.env, thash=render.thash))
     fused = plan.schedule == "fused"
     render.routing(zero_sync=fused)
     if fused:
@@ -307,6 +308,14 @@ FP8_QUANT = {
                           "read: 1x128 row tiles and 128x1 column tiles, transposed (dO: dgrad1's and wgrad2's "
                           "operands)", dict(bounded=False, gather=True, rows_too=True)),
 }
+
+
+def fp8_quant_kernels(plan: Plan) -> tuple[str, ...]:
+    """The FP8 quantizers an FP8 plan's layer launches (mokgen.kernels.FP8_LAYER_KERNELS, and FP8_WGRAD_KERNELS when
+    a training plan runs a weight gradient in FP8): what :func:`emit` renders for it."""
+    backward = plan.backward if plan.schedule == "chain" else None
+    wgrad8 = backward is not None and any(getattr(backward, n).elem_bytes == 1 for n in ("wgrad1", "wgrad2"))
+    return kernels.FP8_LAYER_KERNELS + (kernels.FP8_WGRAD_KERNELS if wgrad8 else ())
 
 
 def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: jinja2.Environment | None = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "names", "table_key", "call", "bind"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "FP8_LAYER_KERNELS", "FP8_WGRAD_KERNELS", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
 CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32",
@@ -396,6 +396,11 @@ SYMBOLS.update({"ep_routing": {"tokens": None, "rows": "BM", "tiles": None}, "ep
 EP_KERNELS = ("ep_routing", "ep_dispatch", "ep_push")
 FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols",
                      "quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
+# the FP8 quantizers an FP8 layer launches (mokgen/ops.py): x's gathered rows, h's used rows, the weights (and
+# their transposed copies for the dgrads); with FP8 weight gradients also the column quantizers of s a and the x
+# rows and the one-read row + column forms of dO and dz. quant_rows / quant_cols (whole tensors) are for tests.
+FP8_LAYER_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
+FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
 MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",
                     "quant_mx_w2": "quant_mx_w"}

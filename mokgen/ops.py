@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import fp8_ops, mx_ops, reference
+from . import fp8_ops, kernels, mx_ops, reference
 from .arch import ARCHS
 from .kernels import call
 from .reference import LayerConfig, layer_config
@@ -437,11 +437,11 @@ class _DeviceState:
 
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
 # what an FP8 layer launches besides its GEMMs (mokgen/fp8_ops.py)
-FP8_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
+FP8_KERNELS = kernels.FP8_LAYER_KERNELS
 # ... and the column quantizers of FP8 weight gradients (plan wgrad*_dtype "fp8"): s a (used rows), x (gathered
 # rows), transposed e4m3 with 128 x 1 scales; dz and dO along both dims from one read (quant_both_*: the rows for
 # the dgrads, the columns for the weight gradients)
-FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
+FP8_WGRAD_KERNELS = kernels.FP8_WGRAD_KERNELS
 
 
 def fp8_wgrads(plan: Any) -> tuple[str, ...]:

@@ -49,9 +49,7 @@ def test_emit_is_deterministic_and_headed(name):
     expected = {"routing.py", "gemm1.py", "gemm2.py", "combine.py", "gather.py", "gemm1_train.py", "dgrad1.py",
                 "dgrad2.py", "wgrad1.py", "wgrad2.py", "wgrad1_acc.py", "wgrad2_acc.py"}
     if plan.spec.dtype == "fp8":   # the FP8 forms keep the kernel names; the quantization kernels join them
-        expected |= {"quant_rows.py", "quant_rows_used.py", "quant_rows_gather.py", "quant_w.py", "quant_wt.py",
-                     "quant_cols.py", "quant_cols_used.py", "quant_cols_gather.py", "quant_both_used.py",
-                     "quant_both_gather.py"}
+        expected |= {"quant_rows_used.py", "quant_rows_gather.py", "quant_w.py", "quant_wt.py"}
     if plan.spec.ep > 1 and plan.spec.dtype == "bf16":   # expert parallelism's kernels (issue 22, mokgen/ep_ops.py)
         expected |= {"ep_routing.py", "ep_dispatch.py", "ep_push.py"}
     assert set(a.files) == expected
@@ -127,8 +125,7 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
             assert ".f32.e4m3.e4m3" in (Path(art.dir) / f"{k}.ptx").read_text(), k
         for k in ("wgrad1", "wgrad2"):   # the weight gradients stay BF16
             assert ".f32.bf16.bf16" in (Path(art.dir) / f"{k}.ptx").read_text(), k
-        for k in ("quant_rows", "quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt", "quant_cols",
-                  "quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather"):
+        for k in ("quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt"):
             assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
         assert plan.gemm1.a_load == "tma" and "cp.async.cg.shared.global" not in ptx
     elif plan.gemm1.a_load == "gather":
