@@ -20,7 +20,8 @@ from .emit_base import EmitError, Renderer, Sources, _activation, _environment, 
 from .plan import Plan, get_arch, tcgen05_mx_smem
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
-UMMA_M = 128          # tcgen05.mma rows of one CTA (cta_group 1)
+UMMA_M = 128          # tcgen05.mma rows of one CTA (cta_group 1; each CTA's rows of a cta_group 2 tile)
+PAIR_M = 2 * UMMA_M   # rows of a 2-CTA tile (cta_group 2: a CTA pair, cluster 2 along M; plan cluster 2)
 ACC_STAGES = 2        # accumulators in tensor memory (double-buffered)
 BACKWARD = ("dgrad1", "dgrad2")   # the backward GEMMs rendered so far (their tile: GEMM 2's, or the bn given)
 TMEM_COLUMNS = 512    # fp32 columns of tensor memory per SM
@@ -54,6 +55,8 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     if which not in (1, 2, "dgrad1", "dgrad2"):
         raise EmitError(f"render_grouped_gemm: which is 1 or 2 (the forward GEMMs), 'dgrad1' or 'dgrad2', got "
                         f"which={which}")
+    # the 2-CTA form (a forward GEMM planned with cluster 2): a CTA pair computes a PAIR_M x bn tile
+    pair = which in (1, 2) and (plan.gemm1 if which == 1 else plan.gemm2).cluster == 2
     if save_z and which != 1:
         raise EmitError("render_grouped_gemm: save_z is GEMM 1's (which=1)")
     if plan.arch != "sm_100a":
@@ -78,6 +81,8 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         _check_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
     if plan.bm % UMMA_M:
         raise EmitError(f"plan.bm: routing tiles of {plan.bm} rows are not a multiple of the {UMMA_M}-row UMMA tile")
+    if pair:
+        _check_pair(plan, what, bn, mx)
     if k_dim % g.bk or g.bk % 16:
         raise EmitError(f"{what}.bk: {g.bk} must divide K={k_dim} and be a multiple of the UMMA K (16)")
     if bn % g.epi_n:
@@ -120,6 +125,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         p_stride=p_stride,
         g_stride=g_stride,
         epilogue={1: "swiglu", 2: "weight", "dgrad1": "dswiglu", "dgrad2": "store"}[which],
+        pair=pair,
         save_z=save_z,
         z_n=z_n,
         z_p=z_p,
@@ -135,7 +141,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         acc_stages=mx_acc_stages(bn, parts) if mx else ACC_STAGES,
         epi_n=g.epi_n,
         epi_stages=g.epi_stages,
-        raster=max(1, g.raster_group * (plan.bm // UMMA_M)),
+        raster=max(1, g.raster_group * (plan.bm // (PAIR_M if pair else UMMA_M))),
         n_tiles=-(-n_out // bn),
         k_tiles=k_dim // g.bk,
         clc=CLC,
@@ -175,6 +181,20 @@ def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:
         for n in range(n_tiles):
             out.extend((p0 + i, n) for i in range(rows))
     return out
+
+
+def _check_pair(plan: Plan, what: str, bn: int, mx: bool) -> None:
+    """The 2-CTA form's limits (plan cluster 2): BF16, one pair tile per routing tile (plan.bm == PAIR_M: a pair's
+    rows belong to one group), the UMMA N of cta_group 2 split into two W half boxes of whole 16-row blocks."""
+    if mx:
+        raise EmitError(f"{what}.cluster: the 2-CTA form (cluster 2) is BF16 only so far; the MXFP8 GEMMs run 1-CTA "
+                        f"tiles")
+    if plan.bm != PAIR_M:
+        raise EmitError(f"plan.bm: the 2-CTA form (cluster 2) needs {PAIR_M}-row routing tiles (a pair's rows in one "
+                        f"group), got {plan.bm}")
+    if bn % 32:
+        raise EmitError(f"{what}.bn: the 2-CTA form splits the tile's {bn} columns per part into two W boxes of whole "
+                        f"16-row blocks: a multiple of 32")
 
 
 def _check_tile(plan: Plan, what: str, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int,

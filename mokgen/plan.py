@@ -856,9 +856,35 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
 # 128-row UMMA tile (cooperative, cluster 1) in the chain schedule and size their own TMEM and stage ring from the
 # tile N and stages solved here with the sm_90a rules. The backward's tiles (N, K step) come from the same rules;
 # its sm_90a-only knobs (dgrad1's z through the ring, the ring epilogue) are settled off, and its knobs are not
-# overridable yet (issue 20).
-TCGEN05_ONLY = {"schedule": "chain", "cluster": 1, "gemm1_cluster": 1, "gemm2_cluster": 1, "gemm1_a_load": "tma",
+# overridable yet (issue 20). Opt-in, BF16: cluster 2 (``cluster`` for both forward GEMMs, ``gemm1_cluster`` /
+# ``gemm2_cluster`` for one) plans the 2-CTA form, a CTA pair (cluster of 2 along M) computing a 256-row tile with
+# tcgen05.mma cta_group::2; a pair's rows must belong to one group, so the routing tile (plan.bm) becomes
+# TCGEN05_PAIR_BM and every kernel of the entry (routing, gather, combine, the backward's 1-CTA GEMMs and weight
+# gradients) follows it. The default stays 1-CTA: nothing of the 2-CTA form has run on a GPU.
+TCGEN05_ONLY = {"schedule": "chain", "gemm1_a_load": "tma",
                  "consumer": "cooperative", "gemm1_consumer": "cooperative", "gemm2_consumer": "cooperative"}
+TCGEN05_CLUSTERS = (1, 2)   # 1: 1-CTA tiles (cta_group 1); 2: the 2-CTA form (cta_group 2)
+TCGEN05_PAIR_BM = 256       # the 2-CTA form's routing tile: one pair tile (2 x 128 rows)
+
+
+def _tcgen05_clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[int, int]:
+    """The forward GEMMs' cluster on a tcgen05 arch ({1: c1, 2: c2}): 1 (1-CTA tiles) unless overridden to 2
+    (the 2-CTA form; BF16 only so far), each refused in one line."""
+    out = {}
+    for which in (1, 2):
+        found = _gemm_override(overrides, which, "cluster")
+        if found is None:
+            out[which] = 1
+            continue
+        key, value = found
+        if isinstance(value, bool) or value not in TCGEN05_CLUSTERS:
+            raise PlanError(f"plan.{key}: the {arch} GEMMs run cluster 1 (1-CTA tiles) or 2 (a CTA pair on a "
+                            f"{TCGEN05_PAIR_BM}-row tile, tcgen05 cta_group 2), got {value!r}")
+        if value == 2 and spec.dtype != "bf16":
+            raise PlanError(f"plan.{key}: the {arch} 2-CTA form (cluster 2) is BF16 only so far; dtype "
+                            f"{spec.dtype} runs 1-CTA tiles")
+        out[which] = value
+    return out
 
 
 def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
@@ -875,15 +901,30 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
     if spec.dtype not in ("bf16", "mxfp8"):
         raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "
                         f"recipe, sm_90a); on {arch} the FP8 format is dtype mxfp8 (e8m0 scales per 32 elements)")
+    clusters = _tcgen05_clusters(spec, arch, overrides)
     if spec.dtype == "mxfp8":
         for key in overrides:
             if key.split("_")[-1] in ("bn", "bk", "stages") or key.endswith(("epi_n", "epi_stages")):
                 raise PlanError(f"plan.{key}: the {arch} MXFP8 GEMMs take their fixed tiles so far (GEMM 1 128 x "
                                 f"{MX_BN[1]}, GEMM 2 128 x {MX_BN[2]}, K tile {MX_BK}, as many stages as fit)")
-    rest = {k: v for k, v in overrides.items() if k not in ("schedule", "consumer", "bwd_streams")}
+    rest = {k: v for k, v in overrides.items()
+            if k not in ("schedule", "consumer", "bwd_streams", "cluster", "gemm1_cluster", "gemm2_cluster")}
     plan = _solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
     g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
     g2 = dataclasses.replace(plan.gemm2, cluster=1)
+    pair_notes: tuple[str, ...] = ()
+    if 2 in clusters.values():   # the 2-CTA form: the plan rebuilt on 256-row routing tiles
+        a = get_arch(arch)
+        c1, c2, _ = _costs(spec, a, plan.gemm1, plan.gemm2)
+        own = tuple(n for n in plan.notes if n not in _auto_notes(spec, a, plan.gemm2, c1, c2))
+        g1 = dataclasses.replace(g1, bm=TCGEN05_PAIR_BM, cluster=clusters[1])
+        g2 = dataclasses.replace(g2, bm=TCGEN05_PAIR_BM, cluster=clusters[2])
+        plan = _make_plan(spec, a, g1, g2)
+        plan = dataclasses.replace(plan, notes=plan.notes + own)
+        paired = [f"GEMM {w}" for w in (1, 2) if clusters[w] == 2]
+        pair_notes = (f"overrides: {', '.join(f'{k}={overrides[k]}' for k in sorted(overrides) if k.endswith('cluster'))}"
+                      f": {' and '.join(paired)} in the 2-CTA form (a CTA pair on a {TCGEN05_PAIR_BM}-row tile, "
+                      f"tcgen05.mma cta_group 2), routing tiles of {TCGEN05_PAIR_BM} rows; never run on a GPU",)
     backward = plan.backward
     if backward is not None:   # the tcgen05 dgrads read z and write dz from registers and store through smem
         backward = dataclasses.replace(backward, **{
@@ -894,6 +935,7 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
                   and not n.startswith("overrides: schedule=chain"))
     notes += (f"{arch}: the tcgen05 GEMMs (GEMM 1 on gathered rows, the backward's dgrads with W read N-major and "
               f"varlen-K weight gradients), chain schedule; compiled here, never run on a Blackwell GPU (issue 20)",)
+    notes += pair_notes
     plan = dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=backward, notes=notes)
     if spec.dtype == "mxfp8":
         plan = _tcgen05_mxfp8(plan)

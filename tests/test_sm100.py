@@ -257,7 +257,7 @@ def test_sm100a_refuses_what_its_kernels_do_not_take():
     from mokgen.plan import PlanError
 
     spec = load_spec("kimi-k2")
-    for key, value, msg in (("schedule", "fused", "run schedule 'chain' only"), ("cluster", 2, "run cluster 1"),
+    for key, value, msg in (("schedule", "fused", "run schedule 'chain' only"), ("cluster", 3, "run cluster 1"),
                             ("consumer", "pingpong", "run consumer 'cooperative'"),
                             ("gemm1_a_load", "gather", "run gemm1_a_load 'tma'"),
                             ("dgrad1_bn", 128, "take the default tiles only so far"),
@@ -524,3 +524,169 @@ def test_wgrad_compiles_for_sm100a(name, which, acc, tmp_path):
         assert "cp.async.bulk.tensor.3d.global.shared::cta" not in ptx
     else:
         assert "cp.async.bulk.tensor.3d.global.shared::cta" in ptx and "st.global.v4" not in ptx
+
+
+# ---- the 2-CTA form (plan cluster 2: a CTA pair, cluster of 2 along M, tcgen05.mma cta_group::2) ---------------
+SMALL = "tools/specs/hf-h256-i128-e8-k2.yaml"
+PAIR_PTX = (
+    "tcgen05.mma.cta_group::2.kind::f16",            # the pair's MMA, issued by the leader
+    "tcgen05.alloc.cta_group::2", "tcgen05.dealloc.cta_group::2", "tcgen05.relinquish_alloc_permit.cta_group::2",
+    # a stage / accumulator released in both CTAs by one commit
+    "tcgen05.commit.cta_group::2.mbarrier::arrive::one.shared::cluster.multicast::cluster.b64",
+    # each CTA's half of the pair's boxes, completing on the leader's barrier (2-SM TMA)
+    "shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint.cta_group::2",
+    "mbarrier.arrive.shared::cluster.b64",           # the peer's epilogue frees the leader's accumulator / TMEM
+    "mbarrier.arrive.release.cluster.shared::cluster.b64",   # the tile walk's slot released on the leader's barrier
+    "barrier.cluster.arrive", "barrier.cluster.wait",
+    # CLC: the leader cancels a whole cluster, the response multicast into both CTAs
+    "clusterlaunchcontrol.try_cancel.async.shared::cta.mbarrier::complete_tx::bytes.multicast::cluster::all.b128",
+    "clusterlaunchcontrol.query_cancel.is_canceled", "clusterlaunchcontrol.query_cancel.get_first_ctaid",
+)
+
+
+def test_sm100a_pair_plan():
+    """`cluster=2` (or gemm1_cluster / gemm2_cluster) plans the 2-CTA form on sm_100a: 256-row routing tiles (a
+    pair's rows in one group: cap_rows and the backward follow), the other GEMM and the backward's GEMMs 1-CTA;
+    the default stays 1-CTA on 128-row tiles."""
+    from mokgen import configs
+
+    spec = load_spec("kimi-k2")
+    default = solve(spec, "sm_100a")
+    assert (default.bm, default.gemm1.cluster, default.gemm2.cluster) == (128, 1, 1)
+    for ov, clusters in (({"cluster": 2}, (2, 2)), ({"gemm1_cluster": 2}, (2, 1)), ({"gemm2_cluster": 2}, (1, 2)),
+                         ({"cluster": 2, "gemm2_cluster": 1}, (2, 1))):
+        plan = solve(spec, "sm_100a", **ov)
+        assert (plan.bm, plan.gemm1.bm, plan.gemm2.bm) == (256, 256, 256), ov
+        assert (plan.gemm1.cluster, plan.gemm2.cluster) == clusters, ov
+        assert plan.cap_rows % 256 == 0 and plan.max_m_tiles == plan.cap_rows // 256
+        assert all(getattr(plan.backward, n).cluster == 1 for n in ("dgrad1", "dgrad2", "wgrad1", "wgrad2"))
+        assert plan.backward.dgrad1.bm == 256 and not configs.check_plan(plan)
+        assert any("2-CTA form" in n for n in plan.notes)
+        for which in (1, 2):
+            params = grouped_params(plan, which)
+            assert params["pair"] == (clusters[which - 1] == 2) and params["group_m"] == 256
+    # the tile N stays free (each CTA loads half of every W box)
+    assert solve(spec, "sm_100a", cluster=2, gemm2_bn=128).gemm2.bn == 128
+
+
+def test_sm100a_pair_refusals():
+    """Invalid 2-CTA combinations are refused in one line: clusters other than 1 / 2, MXFP8 (the block-scaled
+    GEMMs run 1-CTA tiles), and at render time a pair plan whose routing tile is not 256 rows or whose W half box
+    is not whole 16-row blocks."""
+    import dataclasses
+
+    from mokgen.plan import PlanError
+
+    for spec, ov, msg in (("kimi-k2", {"cluster": 4}, "run cluster 1 (1-CTA tiles) or 2"),
+                          ("kimi-k2", {"gemm2_cluster": 3}, "run cluster 1 (1-CTA tiles) or 2"),
+                          ("kimi-k2", {"cluster": True}, "run cluster 1 (1-CTA tiles) or 2"),
+                          ("tools/specs/kimi-k2-mxfp8.yaml", {"cluster": 2}, "2-CTA form (cluster 2) is BF16 only so far"),
+                          ("tools/specs/kimi-k2-mxfp8.yaml", {"gemm1_cluster": 2}, "2-CTA form (cluster 2) is BF16 only so far")):
+        key = next(iter(ov))
+        with pytest.raises(PlanError) as e:
+            solve(load_spec(spec), "sm_100a", **ov)
+        assert str(e.value).startswith(f"plan.{key}: ") and msg in str(e.value) and "\n" not in str(e.value), e.value
+    plan = solve(load_spec("kimi-k2"), "sm_100a", cluster=2)
+    forged = dataclasses.replace(plan, bm=128, gemm1=dataclasses.replace(plan.gemm1, bm=128),
+                                 gemm2=dataclasses.replace(plan.gemm2, bm=128))
+    with pytest.raises(EmitError, match=r"^plan\.bm: the 2-CTA form \(cluster 2\) needs 256-row routing tiles"):
+        grouped_params(forged, 2)
+    with pytest.raises(EmitError, match=r"^plan\.gemm2\.bn: the 2-CTA form splits"):
+        grouped_params(plan, 2, bn=48)
+    assert not grouped_params(plan, "dgrad2")["pair"]   # the dgrads stay 1-CTA on the pair's routing tiles
+
+
+@pytest.mark.parametrize("name", ["kimi-k2", SMALL])
+def test_render_pair_form(name, tmp_path):
+    """The 2-CTA sources: CTA_GROUP 2, a 256-row tile of one routing tile, each CTA half of the W box and the pair's
+    bytes expected once; the default 1-CTA sources carry none of it. The tile walk counts pair tiles (one per
+    routing tile and N tile) and covers each once."""
+    plan = solve(load_spec(name), "sm_100a", cluster=2)
+    for which, save_z, table in ((1, False, "gemm1"), (1, True, "gemm1_train"), (2, False, "gemm2")):
+        src = render_grouped_gemm(plan, which, save_z=save_z)
+        compile(src, f"{table}.py", "exec")
+        for want in ("CTA_GROUP = 2", "MMA_M = BM * CTA_GROUP", "GROUP_M = 256", "W_ROWS = BN // CTA_GROUP",
+                     "TX_BYTES = CTA_GROUP * (BM * BK + PARTS * W_ROWS * BK) * 2", "tcgen05.CtaGroup.TWO",
+                     "cluster=(CTA_GROUP, 1, 1)", "is_two_cta=True", "multicast=True"):
+            assert want in src, (table, want)
+        one = render_grouped_gemm(solve(load_spec(name), "sm_100a"), which, save_z=save_z)
+        assert "CTA_GROUP" not in one and "CtaGroup.TWO" not in one and "is_two_cta" not in one
+    pytest.importorskip("cutlass")
+    mod = _module(render_grouped_gemm(plan, 2), tmp_path, "pair_" + Path(name).stem.replace("-", "_"))
+    assert (mod.BM, mod.MMA_M, mod.M_SUB, mod.CTA_GROUP, mod.W_ROWS) == (128, 256, 1, 2, mod.BN // 2)
+    for used in (1, 5, mod.RASTER + 3):
+        total = mod.tile_count(used)
+        assert total == used * mod.N_TILES
+        walk = [mod.tile_mn(r, used) for r in range(total)]
+        assert walk == tile_walk(used, mod.N_TILES, mod.RASTER)
+        assert sorted(walk) == [(m, n) for m in range(used) for n in range(mod.N_TILES)]
+
+
+def test_sm100a_pair_emit():
+    """The entry of a cluster-2 plan: GEMM 1 (and gemm1_train) and GEMM 2 in the 2-CTA form, everything else on the
+    256-row routing tile (routing pads groups to it; the dgrads' and wgrads' group starts use it)."""
+    from mokgen.emit import emit
+
+    files = emit(solve(load_spec("kimi-k2"), "sm_100a", cluster=2)).files
+    for f in ("gemm1", "gemm1_train", "gemm2"):
+        assert "CTA_GROUP = 2" in files[f"{f}.py"] and "GROUP_M = 256" in files[f"{f}.py"], f
+    for f in ("dgrad1", "dgrad2"):
+        assert "CTA_GROUP" not in files[f"{f}.py"] and "GROUP_M = 256" in files[f"{f}.py"], f
+    assert "BM = 256" in files["routing.py"]
+    for f in ("wgrad1", "wgrad2"):
+        assert re.search(r"^GROUP_M = 256\b", files[f"{f}.py"], re.M), f
+
+
+def test_sm100a_pair_layer_trains_on_the_reference_kernels():
+    """A layer over a cluster-2 sm_100a plan (CPU, reference kernels on the plan's 256-row routing tiles): the
+    forward and a training step against the float64 reference."""
+    from mokgen import reference as ref
+    from mokgen.ops import CompiledMoE
+
+    small = ref.LayerConfig(hidden=128, ffn=64, experts=4, ep=1, topk=2, tokens=16, shared_experts=0,
+                            activation="swiglu", swiglu_limit=None, gate_up_layout="concat", bias=False)
+    plan = solve(load_spec("kimi-k2"), "sm_100a", cluster=2)
+    assert plan.bm == 256
+    moe = CompiledMoE(small, plan, functions=ref.reference_kernels(small, plan.bm, gather=True, training=True),
+                      allow_cpu=True, arch="sm_100a")
+    inp = ref.random_inputs(small, tokens=16, seed=1)
+    y = moe(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2)
+    assert ref.rel_err(y.float(), ref.forward(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, small)) < 2e-2
+    y2, saved = moe.forward_train(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2)
+    dy = torch.randn(16, 128).bfloat16()
+    g = moe.backward(dy, saved, inp.x, inp.topk_weight, inp.w1, inp.w2)
+    r = ref.backward(dy, inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, small)
+    for name in ("x", "topk_weight", "w1", "w2"):
+        assert ref.rel_err(getattr(g, name).float(), getattr(r, name)) < 2e-2, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kimi-k2", SMALL])
+def test_pair_gemms_compile_for_sm100a(name, tmp_path):
+    """GEMM 1, GEMM 1 for training and GEMM 2 of a cluster-2 plan built for sm_100a: the PTX has the pair's
+    instructions (cta_group::2 MMA, TMEM alloc / dealloc / commit, 2-SM TMA loads, remote and multicast barrier
+    arrivals, the cluster barrier, CLC cancelling whole clusters with a multicast response) and no 1-CTA MMA."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = solve(load_spec(name), "sm_100a", cluster=2)
+    srcs = {"gemm1.py": render_grouped_gemm(plan, 1), "gemm1_train.py": render_grouped_gemm(plan, 1, save_z=True),
+            "gemm2.py": render_grouped_gemm(plan, 2)}
+    art = build.build(srcs, "sm_100a", tmp_path, progress=False)
+    report = build.ptx_report(art)
+    for table in ("gemm1", "gemm1_train", "gemm2"):
+        r = report[table]
+        assert r["target"] and r["tcgen05"] and r["cp.async.bulk.tensor"] and r["clusterlaunchcontrol"], (table, r)
+        ptx = (Path(art.dir) / f"{table}.ptx").read_text()
+        missing = [s for s in PAIR_PTX if s not in ptx]
+        assert not missing, (table, missing)
+        assert "tcgen05.mma.cta_group::1" not in ptx and "tcgen05.alloc.cta_group::1" not in ptx, table
+        # only the leader issues the query (one try_cancel), but both CTAs expect its response
+        assert ptx.count("clusterlaunchcontrol.try_cancel") == 1, table
+        parts = 2 if table.startswith("gemm1") else 1
+        # every MMA of a stage (BK / 16 k-blocks x parts) is the pair's
+        bk = plan.gemm1.bk if parts == 2 else plan.gemm2.bk
+        assert ptx.count("tcgen05.mma.cta_group::2") >= parts * (bk // 16), table
+        # A (2d) and W (3d GEMM 2 / 4d GEMM 1) loads are the 2-SM form; no 1-CTA TMA load left
+        assert f"cp.async.bulk.tensor.{4 if parts == 2 else 3}d.shared::cluster.global.tile.mbarrier" in ptx
+        assert "cp.async.bulk.tensor.2d.shared::cta.global" not in ptx, table
