@@ -153,9 +153,9 @@ class Renderer:
         common = dict(ranks=spec.ep, topk=spec.topk, bm=bm)
         self("sm90/ep_routing.py.j2", "ep_routing", "ep_routing", local=spec.local_experts,
              shared=spec.shared_experts, **common, **_table("ep_routing"))
-        self("sm90/ep_dispatch.py.j2", "ep_dispatch", "ep_dispatch", hidden=spec.hidden, threads=256, **common,
+        self("sm90/ep_rows.py.j2", "ep_dispatch", "ep_dispatch", hidden=spec.hidden, threads=256, push=False, **common,
              **_table("ep_dispatch"))
-        self("sm90/ep_push.py.j2", "ep_push", "ep_push", hidden=spec.hidden, threads=256, **common,
+        self("sm90/ep_rows.py.j2", "ep_push", "ep_push", hidden=spec.hidden, threads=256, push=True, **common,
              **_table("ep_push"))
 
     def sources(self) -> Sources:
