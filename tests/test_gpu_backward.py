@@ -3,14 +3,14 @@
 Per preset: every gradient (dx, d topk_weight, dw1, dw2, db1, db2) within 1e-2 relative error, no NaN, every
 element written (y and every gradient are written into caller-owned buffers filled with NaN before the call, so an
 element the kernels skip reads NaN by construction; the intermediates' likely blocks of the caching allocator are
-NaN-filled too, a best effort; main_grad buffers are pre-filled and compared as an accumulation; experts
-without rows must get exact zeros), through ``moe.forward_train`` / ``moe.backward`` and through autograd; special
-routings (one expert takes everything, empty experts, skewed); T = 1000 (no tile multiple) and T = 1; bitwise
-run-to-run and num_ctas (66 vs 132) determinism; two layers of one spec interleaved (f1, f2, b2, b1) give the
-bits of each run alone; fp32 main_grad accumulation (low level, and over 3 micro-batches through
-``mokgen.MoE(main_grad=True)``, deterministic); a whole forward+backward step captured in a CUDA graph replays
-with the eager bits; ``torch.compile(fullgraph=True)`` of a module using ``mokgen.MoE`` gives the eager bits
-forward and backward.
+NaN-filled too, a best effort; main_grad buffers are pre-filled and compared as an accumulation; experts without
+rows must get exact zeros), through ``moe.forward_train`` / ``moe.backward`` and through autograd; special routings
+(one expert takes everything, empty experts, skewed); T = 1000 (no tile multiple) and T = 1; bitwise run-to-run and
+num_ctas (half vs all the SMs: 66 vs 132 on an H200, the ``ctas`` fixture) determinism; two layers of one spec
+interleaved (f1, f2, b2, b1) give the bits of each run alone; fp32 main_grad accumulation (low level, and over 3
+micro-batches through ``mokgen.MoE(main_grad=True)``, deterministic); a whole forward+backward step captured in a
+CUDA graph replays with the eager bits; ``torch.compile(fullgraph=True)`` of a module using ``mokgen.MoE`` gives
+the eager bits forward and backward.
 
 The default list is five presets and tools/specs/dbrx-like.yaml (the few-large-experts class: 16 experts, 2048
 rows each at its 8192 tokens; first run with ``MOKGEN_GPU_TOKENS=4096``). ``MOKGEN_GPU_PRESETS`` (comma-separated
@@ -262,20 +262,22 @@ def test_autograd_grads_match_reference(case):
     moe.check_errors()
 
 
-def test_bitwise_deterministic(case):
+def test_bitwise_deterministic(case, ctas):
     spec, moe, inp, dy, _, _ = case
+    half, full = ctas
     y1, g1 = train_call(moe, inp, dy, poison=False)
     y2, g2 = train_call(moe, inp, dy)
-    y66, g66 = train_call(moe, inp, dy, num_ctas=66)
-    y132, g132 = train_call(moe, inp, dy, num_ctas=132)
+    y_half, g_half = train_call(moe, inp, dy, num_ctas=half)
+    y_full, g_full = train_call(moe, inp, dy, num_ctas=full)
     sync()
     assert same_bits(y1, y2), "forward_train: run-to-run bits differ"
-    assert same_bits(y66, y132), "forward_train: num_ctas 66 vs 132 bits differ"
-    assert same_bits(y1, y66), "forward_train: default num_ctas vs 66 bits differ"
+    assert same_bits(y_half, y_full), f"forward_train: num_ctas {half} vs {full} bits differ"
+    assert same_bits(y1, y_half), f"forward_train: default num_ctas vs {half} bits differ"
     for name in NAMES:
         assert same_bits(getattr(g1, name), getattr(g2, name)), f"d{name}: run-to-run bits differ"
-        assert same_bits(getattr(g66, name), getattr(g132, name)), f"d{name}: num_ctas 66 vs 132 bits differ"
-        assert same_bits(getattr(g1, name), getattr(g66, name)), f"d{name}: default num_ctas vs 66 bits differ"
+        assert same_bits(getattr(g_half, name), getattr(g_full, name)), \
+            f"d{name}: num_ctas {half} vs {full} bits differ"
+        assert same_bits(getattr(g1, name), getattr(g_half, name)), f"d{name}: default num_ctas vs {half} bits differ"
 
 
 def test_dgrad1_z_paths_same_bits(case):
@@ -333,7 +335,7 @@ def test_backward_streams_same_bits(case):
     """The backward on one stream and on two (plan.backward.streams: the weight gradients on a side stream beside
     dgrad2 and the combine) launches the same kernels on the same data: y, every gradient and the fp32 main_grad
     accumulation have the same bits, on random and skewed routing. (The whole suite runs on the two-stream plan
-    with MOKGEN_GPU_OVERRIDES=bwd_streams=2: CUDA graph, torch.compile, 66 vs 132 CTAs.)"""
+    with MOKGEN_GPU_OVERRIDES=bwd_streams=2: CUDA graph, torch.compile, half vs all the SMs' CTAs.)"""
     spec, moe, inp, dy, _, _ = case
     other = 2 if moe.plan.backward.streams == 1 else 1
     moe2 = mokgen.compile(spec, overrides={**OVERRIDES, "bwd_streams": other})
@@ -359,7 +361,7 @@ def test_backward_streams_same_bits(case):
 
 
 @pytest.mark.parametrize("routing", ["one_expert", "empty_experts", "skewed"])
-def test_special_routing(case, routing):
+def test_special_routing(case, routing, ctas):
     spec, moe, inp, dy, _, _ = case
     c = with_routing(spec, inp, routing)
     y_ref, g_ref = reference(spec, c, dy)
@@ -371,11 +373,11 @@ def test_special_routing(case, routing):
     empty = check_empty_experts_zero(spec, c, g, what)
     if routing in ("one_expert", "empty_experts") and spec.local_experts > 1:
         assert empty, f"{what}: the routing left no expert empty (test inputs wrong)"
-    y66, g66 = train_call(moe, c, dy, num_ctas=66)
+    y_half, g_half = train_call(moe, c, dy, num_ctas=ctas.half)
     sync()
-    assert same_bits(y, y66), f"{what}: y bits differ with 66 CTAs"
+    assert same_bits(y, y_half), f"{what}: y bits differ with {ctas.half} CTAs"
     for name in NAMES:
-        assert same_bits(getattr(g, name), getattr(g66, name)), f"{what}: d{name} bits differ with 66 CTAs"
+        assert same_bits(getattr(g, name), getattr(g_half, name)), f"{what}: d{name} bits differ with {ctas.half} CTAs"
     moe.check_errors()
 
 

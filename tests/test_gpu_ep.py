@@ -23,7 +23,7 @@ from mokgen.spec import Spec  # noqa: E402
 
 from test_ep import _inputs  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.ep_kernels]   # skipped where the arch's entries have no ep_* kernels
 
 _LAYERS: dict = {}
 

@@ -1,9 +1,10 @@
 """The compiled forward on a GPU (H200, sm_90a), against the float64 reference.
 
-Per preset: poisoned output fully written and within 1e-2 relative error; bitwise run-to-run and
-num_ctas (66 vs 132) determinism; special routings (one expert takes everything, empty experts, skewed);
-T = 1000 (no tile multiple); out-of-range ids (RoutingError with check=True, sticky flag for check_errors);
-no host sync under ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture and replay.
+Per preset: poisoned output fully written and within 1e-2 relative error; bitwise run-to-run and num_ctas (half vs
+all the SMs: 66 vs 132 on an H200, the ``ctas`` fixture) determinism; special routings (one expert takes
+everything, empty experts, skewed); T = 1000 (no tile multiple); out-of-range ids (RoutingError with check=True,
+sticky flag for check_errors); no host sync under ``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture
+and replay.
 
 ``MOKGEN_GPU_TOKENS`` caps the token count (default: each preset's own ``tokens``);
 ``MOKGEN_GPU_PRESETS`` (comma-separated) picks presets; ``MOKGEN_GPU_OVERRIDES`` (``k=v,...``, e.g.
@@ -92,27 +93,27 @@ def test_forward_matches_reference(case):
     moe.check_errors()
 
 
-def test_bitwise_deterministic(case):
+def test_bitwise_deterministic(case, ctas):
     spec, moe, inp = case
     y1 = run(moe, inp)
     y2 = run(moe, inp)
-    y66 = run(moe, inp, num_ctas=66)
-    y132 = run(moe, inp, num_ctas=132)
+    y_half = run(moe, inp, num_ctas=ctas.half)
+    y_full = run(moe, inp, num_ctas=ctas.full)
     torch.cuda.synchronize()
     assert torch.equal(bits(y1), bits(y2)), "run-to-run bits differ"
-    assert torch.equal(bits(y66), bits(y132)), "num_ctas 66 vs 132 bits differ"
-    assert torch.equal(bits(y1), bits(y66))
+    assert torch.equal(bits(y_half), bits(y_full)), f"num_ctas {ctas.half} vs {ctas.full} bits differ"
+    assert torch.equal(bits(y1), bits(y_half))
 
 
 @pytest.mark.parametrize("routing", ["one_expert", "empty_experts", "skewed"])
-def test_special_routing(case, routing):
+def test_special_routing(case, routing, ctas):
     spec, moe, inp = case
     case_inp = with_routing(spec, inp, routing)
     out = torch.full_like(case_inp.x, float("nan"))
     y = run(moe, case_inp, out=out)
     torch.cuda.synchronize()
     check_close(y, reference(spec, case_inp), f"{spec.name}/{routing}")
-    assert torch.equal(bits(y), bits(run(moe, case_inp, num_ctas=66)))
+    assert torch.equal(bits(y), bits(run(moe, case_inp, num_ctas=ctas.half)))
     moe.check_errors()
 
 

@@ -5,7 +5,8 @@ Per preset (its spec with ``dtype`` set to ``fp8``):
 * the output, written into a NaN-poisoned buffer, against :func:`mokgen.reference.forward_fp8` (float64 on the
   dequantized operands, h rounded to bf16 and quantized as the kernels do) within 1e-2, and against the BF16
   float64 reference (the FP8 error itself: reported, bounded loosely);
-* bitwise run-to-run and num_ctas (66 vs 132) determinism; special routings; T = 1 and an odd T;
+* bitwise run-to-run and num_ctas (half vs all the SMs: 66 vs 132 on an H200) determinism; special routings;
+  T = 1 and an odd T;
 * the training forward's y equals the inference forward's, and its backward (BF16 kernels on the master weights,
   z saved by the FP8 GEMM 1) gives finite gradients close to the BF16 reference's;
 * the weights' e4m3 copies follow in-place updates (``optimizer.step()``): never stale;
@@ -86,14 +87,14 @@ def test_forward_matches_reference(case):
     moe.check_errors()
 
 
-def test_bitwise_deterministic(case):
+def test_bitwise_deterministic(case, ctas):
     spec, moe, inp = case
     y1, y2 = run(moe, inp), run(moe, inp)
-    y66, y132 = run(moe, inp, num_ctas=66), run(moe, inp, num_ctas=132)
+    y_half, y_full = run(moe, inp, num_ctas=ctas.half), run(moe, inp, num_ctas=ctas.full)
     torch.cuda.synchronize()
     assert torch.equal(bits(y1), bits(y2)), "run-to-run bits differ"
-    assert torch.equal(bits(y66), bits(y132)), "num_ctas 66 vs 132 bits differ"
-    assert torch.equal(bits(y1), bits(y66))
+    assert torch.equal(bits(y_half), bits(y_full)), f"num_ctas {ctas.half} vs {ctas.full} bits differ"
+    assert torch.equal(bits(y1), bits(y_half))
 
 
 @pytest.mark.parametrize("routing", ["one_expert", "empty_experts", "skewed"])
@@ -214,12 +215,12 @@ def test_promote_modes_same_bits(case):
         other.check_errors()
 
 
-def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case):
+def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case, ctas):
     """With FP8 weight gradients (MOKGEN_GPU_OVERRIDES wgrad1_dtype=fp8 / wgrad2_dtype=fp8): dW1 / dW2 have the
     same bits under both promotions (serial; stagger: the two warpgroups one K block apart on tiles of at least
-    STAGES blocks), across 66 and 132 CTAs and from run to run (random and skewed routing); dx and the router
-    gradient equal the BF16-wgrad step's bits (the weight gradients feed nothing else); dW against the BF16
-    weight gradients: e4m3's resolution (reported)."""
+    STAGES blocks), across half and all the SMs' CTAs (66 / 132 on an H200) and from run to run (random and
+    skewed routing); dx and the router gradient equal the BF16-wgrad step's bits (the weight gradients feed
+    nothing else); dW against the BF16 weight gradients: e4m3's resolution (reported)."""
     spec, moe, inp = case
     if not moe.fp8_wgrads:
         pytest.skip("the plan's weight gradients are BF16 (set MOKGEN_GPU_OVERRIDES=wgrad1_dtype=fp8,...)")
@@ -240,12 +241,12 @@ def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case):
                            b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
     for c in (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight)):
-        runs = [step(moe, c), step(moe, c), step(moe, c, num_ctas=66), step(other, c), step(bf16w, c)]
+        runs = [step(moe, c), step(moe, c), step(moe, c, num_ctas=ctas.half), step(other, c), step(bf16w, c)]
         torch.cuda.synchronize()
         for n in ("w1", "w2"):
             g = getattr(runs[0], n)
             assert bool(torch.isfinite(g).all()), f"{spec.name}: d{n} not finite"
-            for i, what in ((1, "run to run"), (2, "66 vs 132 CTAs"), (3, f"promotion {flip}")):
+            for i, what in ((1, "run to run"), (2, f"{ctas.half} vs {ctas.full} CTAs"), (3, f"promotion {flip}")):
                 assert same(g, getattr(runs[i], n)), f"{spec.name}: d{n} bits differ: {what}"
             err = ref.rel_err(g.float(), getattr(runs[4], n).double())
             print(f"{spec.name}: FP8 d{n} vs the BF16 weight gradient: rel err {err:.3e}")

@@ -157,13 +157,12 @@ def handed_over(inp, stream: torch.cuda.Stream):
     return copies
 
 
-def test_forward_two_streams_match_sequential(case):
+def test_forward_two_streams_match_sequential(case, ctas):
     spec, moe, layers, calls = case
     want = sequential_forward(moe, layers, calls)
     check_sequential_forward(spec, layers, calls, want)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    half = max(1, torch.cuda.get_device_properties(0).multi_processor_count // 2)
-    for num_ctas in (None, half):
+    for num_ctas in (None, ctas.half):
         got = [[None] * ITERS for _ in layers]
         for it in range(ITERS):                      # launches interleaved: layer 0, layer 1, layer 0, ...
             for i, layer in enumerate(layers):
