@@ -14,6 +14,7 @@ import itertools
 from typing import Any, Iterator, Mapping
 
 from . import plan as P
+from . import sm100_rules
 from . import space as S
 
 __all__ = ["check_config", "check_plan", "enumerate_configs", "enumerate_backward_configs"]
@@ -202,7 +203,7 @@ def check_plan(plan: Any) -> list[str]:
         stage = (tile_m + g.bn) * g.bk * g.elem_bytes
         epi = (2 if g.consumer == "pingpong" else 1) * tile_m * P.EPI_N * P.ELEM_BYTES * P.EPI_BUFFERS
         smem = g.stages * stage + epi + P.BARRIER_BYTES
-        if smem > a.smem_per_cta:
+        if smem > a.smem_per_cta and not a.has_tcgen05:   # sm_100a: its kernels' budgets below
             out.append(f"{name}: {g.stages} stages need {smem} B of shared memory > {a.smem_per_cta}")
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{name}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "
@@ -213,6 +214,9 @@ def check_plan(plan: Any) -> list[str]:
             out.append(f"{name}.a_hint {g.a_hint!r} but A is not loaded by TMA tiles")
     if plan.backward is not None:
         out += _check_backward_plan(plan)
+    if a.has_tcgen05:   # the sm_100a kernels' tile rules and budgets (TMEM, shared memory): mokgen.sm100_rules
+        out += [f"{name}.{field}: {why}" for name, t in sm100_rules.kernel_tiles(plan).items()
+                for field, why in t.problems(a.smem_per_cta)]
     fp8_gemms = [("gemm1", plan.gemm1), ("gemm2", plan.gemm2)] + (
         [("backward.dgrad1", plan.backward.dgrad1), ("backward.dgrad2", plan.backward.dgrad2)] if plan.backward else [])
     for name, g in fp8_gemms:
@@ -249,7 +253,7 @@ def _check_backward_plan(plan: Any) -> list[str]:
             continue
         if not sp_.min_stages <= g.stages <= sp_.max_stages:
             out.append(f"{where}.stages {g.stages} outside [{sp_.min_stages}, {sp_.max_stages}]")
-        if g.smem_bytes() > a.smem_per_cta:
+        if g.smem_bytes() > a.smem_per_cta and not a.has_tcgen05:   # sm_100a: check_plan's kernel budgets
             out.append(f"{where}: {g.stages} stages need {g.smem_bytes()} B of shared memory > {a.smem_per_cta}")
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{where}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "

@@ -73,12 +73,13 @@ def _environment() -> jinja2.Environment:
 
 def template_hash() -> str:
     """sha256 over every template file (name and bytes) and the emit stage's modules (emit*.py: this one, sm_90a's
-    and sm_100a's renderers): any change re-keys the cache."""
+    and sm_100a's renderers; sm100_rules.py: the sm_100a tiles emit renders): any change re-keys the cache."""
     h = hashlib.sha256()
     for path in sorted(TEMPLATE_DIR.rglob("*.j2")):
         h.update(str(path.relative_to(TEMPLATE_DIR)).encode())
         h.update(path.read_bytes())
-    for path in sorted(Path(__file__).resolve().parent.glob("emit*.py")):
+    here = Path(__file__).resolve().parent
+    for path in sorted([*here.glob("emit*.py"), here / "sm100_rules.py"]):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()

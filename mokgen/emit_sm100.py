@@ -17,25 +17,17 @@ from typing import Any
 
 from . import kernels
 from .emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
-from .plan import Plan, get_arch, tcgen05_mx_smem
+from .plan import Plan
+from .sm100_rules import ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
-UMMA_M = 128          # tcgen05.mma rows of one CTA (cta_group 1; each CTA's rows of a cta_group 2 tile)
-PAIR_M = 2 * UMMA_M   # rows of a 2-CTA tile (cta_group 2: a CTA pair, cluster 2 along M; plan cluster 2)
-ACC_STAGES = 2        # accumulators in tensor memory (double-buffered)
+# UMMA_M, PAIR_M, ACC_STAGES, TMEM_COLUMNS, BARRIER_BYTES and the tile budgets: mokgen/sm100_rules.py (the plan's
+# sm_100a rules; the checks below assert the same)
 BACKWARD = ("dgrad1", "dgrad2")   # the backward GEMMs rendered so far (their tile: GEMM 2's, or the bn given)
-TMEM_COLUMNS = 512    # fp32 columns of tensor memory per SM
-BARRIER_BYTES = 1024
 # The GEMMs' persistent tile walk: Cluster Launch Control (one CTA per tile; a CTA takes over the tiles of CTAs it
 # cancels before they launch: MoK's scheduler, balancing tiles of uneven length and SMs other kernels hold), or the
 # static b, b + grid, ... walk (False: the form the first version shipped, kept renderable for comparison).
 CLC = True
-
-
-def smem_bytes(bn: int, bk: int, stages: int, epi_n: int, epi_stages: int, parts: int = 1) -> int:
-    """Shared memory of the sm_100a grouped GEMM: the A + W stage ring (`parts` W boxes of `bn` rows per stage),
-    the epilogue buffers, the barriers."""
-    return stages * (UMMA_M + parts * bn) * bk * 2 + UMMA_M * epi_n * 2 * epi_stages + BARRIER_BYTES
 
 
 def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages: int | None = None,
@@ -75,14 +67,13 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         bn = g.bn // parts
     stages = g.stages if stages is None else stages
     n_out, k_dim = {1: (I, H), 2: (H, I), "dgrad1": (I, H), "dgrad2": (H, 2 * I)}[which]
-    if mx:
-        _check_mx_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
-    else:
-        _check_tile(plan, what, bn, g.bk, stages, g.epi_n, g.epi_stages, parts)
+    tile = Tile(parts, bn, g.bk, stages, g.epi_n, g.epi_stages, mx=mx, pair=pair)
+    _check_tile(plan, what, tile)
     if plan.bm % UMMA_M:
         raise EmitError(f"plan.bm: routing tiles of {plan.bm} rows are not a multiple of the {UMMA_M}-row UMMA tile")
-    if pair:
-        _check_pair(plan, what, bn, mx)
+    if pair and plan.bm != PAIR_M:
+        raise EmitError(f"plan.bm: the 2-CTA form (cluster 2) needs {PAIR_M}-row routing tiles (a pair's rows in one "
+                        f"group), got {plan.bm}")
     if k_dim % g.bk or g.bk % 16:
         raise EmitError(f"{what}.bk: {g.bk} must divide K={k_dim} and be a multiple of the UMMA K (16)")
     if bn % g.epi_n:
@@ -138,7 +129,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         bn=bn,
         bk=g.bk,
         stages=stages,
-        acc_stages=mx_acc_stages(bn, parts) if mx else ACC_STAGES,
+        acc_stages=tile.acc_stages,
         epi_n=g.epi_n,
         epi_stages=g.epi_stages,
         raster=max(1, g.raster_group * (plan.bm // (PAIR_M if pair else UMMA_M))),
@@ -183,70 +174,22 @@ def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:
     return out
 
 
-def _check_pair(plan: Plan, what: str, bn: int, mx: bool) -> None:
-    """The 2-CTA form's limits (plan cluster 2): BF16, one pair tile per routing tile (plan.bm == PAIR_M: a pair's
-    rows belong to one group), the UMMA N of cta_group 2 split into two W half boxes of whole 16-row blocks."""
-    if mx:
-        raise EmitError(f"{what}.cluster: the 2-CTA form (cluster 2) is BF16 only so far; the MXFP8 GEMMs run 1-CTA "
-                        f"tiles")
-    if plan.bm != PAIR_M:
-        raise EmitError(f"plan.bm: the 2-CTA form (cluster 2) needs {PAIR_M}-row routing tiles (a pair's rows in one "
-                        f"group), got {plan.bm}")
-    if bn % 32:
-        raise EmitError(f"{what}.bn: the 2-CTA form splits the tile's {bn} columns per part into two W boxes of whole "
-                        f"16-row blocks: a multiple of 32")
-
-
-def _check_tile(plan: Plan, what: str, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int,
-                parts: int = 1) -> None:
-    """The tcgen05 GEMMs' tile limits: the UMMA N, the TMEM columns of the double-buffered accumulators, the
-    stage ring and epilogue buffers in shared memory."""
-    if bn % 16 or not 16 <= bn <= 256:
-        raise EmitError(f"{what}.bn: the UMMA N of cta_group 1 is a multiple of 16 up to 256, got {bn}")
-    if ACC_STAGES * parts * bn > TMEM_COLUMNS:
-        raise EmitError(f"{what}.bn: {ACC_STAGES} x {parts} accumulators of {bn} columns exceed {TMEM_COLUMNS} TMEM "
-                        f"columns")
-    smem = smem_bytes(bn, bk, stages, epi_n, epi_stages, parts)
-    limit = get_arch(plan.arch).smem_per_cta
-    if stages < 2 or smem > limit:
-        raise EmitError(f"{what}: {stages} stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
-
-
-MX_SF_COLS = 16   # TMEM columns of one 128-row x 128-K scale tile (4 columns per 32 rows x 4 scales)
-
-
-def mx_acc_stages(bn: int, parts: int) -> int:
-    """Accumulator buffers of an MXFP8 GEMM: two (the epilogue overlaps the next tile's mainloop) where they fit
-    in the 512 TMEM columns beside the scales (A's and one per part), else one (GEMM 1: gate + up of 128 columns
-    each take 512 columns double-buffered)."""
-    return ACC_STAGES if ACC_STAGES * parts * bn + (1 + parts) * MX_SF_COLS <= TMEM_COLUMNS else 1
-
-
-def _check_mx_tile(plan: Plan, what: str, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int,
-                   parts: int) -> None:
-    """The MXFP8 GEMMs' tile limits: one 128-row scale atom of W per part (bn 128), K steps of whole scale atoms
-    (bk a multiple of 128), accumulators and scales in TMEM, the ring with its scale atoms in shared memory
-    (mokgen.plan.tcgen05_mx_smem)."""
-    if bn != 128:
-        raise EmitError(f"{what}.bn: the MXFP8 GEMMs take 128 columns per part (one scale atom of W), got {bn}")
-    if bk % 128:
-        raise EmitError(f"{what}.bk: the MXFP8 GEMMs step K by whole scale atoms (multiples of 128), got {bk}")
-    if mx_acc_stages(bn, parts) * parts * bn + (1 + parts) * MX_SF_COLS > TMEM_COLUMNS:
-        raise EmitError(f"{what}.bn: {parts} accumulators of {bn} columns and the scales exceed {TMEM_COLUMNS} "
-                        f"TMEM columns")
-    smem = tcgen05_mx_smem(parts, bn, bk, stages, epi_n, epi_stages)
-    limit = get_arch(plan.arch).smem_per_cta
-    if stages < 2 or smem > limit:
-        raise EmitError(f"{what}: {stages} MXFP8 stages of bn {bn} need {smem} bytes of shared memory, limit {limit}")
+def _check_tile(plan: Plan, what: str, tile: Tile) -> None:
+    """The tcgen05 GEMMs' tile rules and budgets (mokgen.sm100_rules.Tile.problems: the UMMA N, the TMEM columns of
+    the accumulators (and MXFP8 scales), the stage ring and epilogue buffers in shared memory, the 2-CTA form's W
+    half boxes): the plan checks the same (mokgen.plan solves no sm_100a plan that breaks them), so this fails
+    only for a tile given here or a plan built by hand."""
+    problems = tile.problems(smem_limit(plan))
+    if problems:
+        field, why = problems[0]
+        raise EmitError(f"{what}.{field}: {why}")
 
 
 def fit_stages(plan: Plan, bn: int, bk: int, epi_n: int, epi_stages: int, parts: int = 1,
                most: int | None = None) -> int:
-    """The most stages of the sm_100a GEMMs' ring (`parts` W boxes of `bn` rows, `bk` deep) that fit the shared
-    memory beside the epilogue buffers and barriers, capped at `most`."""
-    limit = get_arch(plan.arch).smem_per_cta
-    fit = (limit - UMMA_M * epi_n * 2 * epi_stages - BARRIER_BYTES) // ((UMMA_M + parts * bn) * bk * 2)
-    return fit if most is None else min(fit, most)
+    """The most stages of the sm_100a GEMMs' bf16 ring (`parts` W boxes of `bn` rows, `bk` deep) that fit the shared
+    memory beside the epilogue buffers and barriers, capped at `most` (mokgen.sm100_rules.Tile.stages_fit)."""
+    return Tile(parts, bn, bk, 0, epi_n, epi_stages).stages_fit(smem_limit(plan), most)
 
 
 def emit_sm100(plan: Plan) -> Sources:
@@ -284,17 +227,16 @@ def emit_sm100(plan: Plan) -> Sources:
                                 f"{g.z_load!r}, {g.epi_store!r}; mokgen.plan.solve(spec, 'sm_100a') gives that form)")
         render.files["gemm1_train.py"] = render_grouped_gemm(plan, 1, save_z=True)
         g2 = plan.gemm2
+        tiles = kernel_tiles(plan)   # the tiles the plan checked (mokgen.sm100_rules)
         for name in BACKWARD:
-            d = getattr(bw, name)
-            # MXFP8: the plan's stages are those that fit with the scale atoms (plan.tcgen05_mx_smem)
-            stages = d.stages if mx else fit_stages(plan, d.bn, g2.bk, g2.epi_n, g2.epi_stages, most=d.stages)
+            d, t = getattr(bw, name), tiles[name]
             if mx and d.bk != g2.bk:
                 raise EmitError(f"plan.backward.{name}.bk: the MXFP8 dgrads step K by GEMM 2's {g2.bk}, got {d.bk}")
-            render.files[f"{name}.py"] = render_grouped_gemm(plan, name, bn=d.bn, stages=stages)
+            render.files[f"{name}.py"] = render_grouped_gemm(plan, name, bn=t.bn, stages=t.stages)
         for name in WGRADS:
-            w = getattr(bw, name)
-            tile = dict(bn=w.bn, bk=w.bk, stages=fit_stages(plan, w.bn, w.bk, 32, 2, most=w.stages),
-                        raster=w.raster_group)
+            t = tiles[name]
+            tile = dict(bn=t.bn, bk=t.bk, stages=t.stages, epi_n=t.epi_n, epi_stages=t.epi_stages,
+                        raster=getattr(bw, name).raster_group)
             for acc in (False, True):
                 render.files[f"{name}{'_acc' if acc else ''}.py"] = render_wgrad(plan, name, accumulate=acc, **tile)
     return render.sources()
@@ -305,7 +247,8 @@ WGRADS = ("wgrad1", "wgrad2")
 
 
 def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 256, bk: int = 64,
-                 stages: int | None = None, epi_n: int = 32, epi_stages: int = 2, raster: int = 8) -> dict[str, Any]:
+                 stages: int | None = None, epi_n: int = WGRAD_EPI[0], epi_stages: int = WGRAD_EPI[1],
+                 raster: int = 8) -> dict[str, Any]:
     """The render context of templates/sm100/wgrad.py.j2 for the weight gradient `which`: wgrad1 dW1[g] = dzᵀ xg
     (M = 2I, N = H), wgrad2 dW2[g] = dOgᵀ (s a) (M = H, N = I), the reduction over each group's rows (varlen-K);
     ``accumulate``: the fp32 main_grad form (table ``<which>_acc``). The tile is given here (an sm_100a plan has
@@ -324,7 +267,7 @@ def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 
     what = f"plan.backward.{which}"
     if stages is None:
         stages = fit_stages(plan, bn, bk, epi_n, epi_stages)
-    _check_tile(plan, what, bn, bk, stages, epi_n, epi_stages)
+    _check_tile(plan, what, Tile(1, bn, bk, stages, epi_n, epi_stages))
     if bk % 16 or plan.bm % bk:
         raise EmitError(f"{what}.bk: {bk} must be a multiple of the UMMA K (16) dividing the routing tile {plan.bm} "
                         f"(every group starts on a multiple of it)")

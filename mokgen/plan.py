@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
+from . import sm100_rules as _sm100  # the sm_100a tile rules (TMEM, shared memory): plan and emit_sm100 share them
 from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
 from .spec import Spec
 
@@ -851,12 +852,16 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     return _settle_streams(plan, streams)
 
 
-# sm_100a (Blackwell): the plan's sm_100a rules until its own cost model and tile rules exist. The forward GEMMs
-# are mokgen/emit_sm100.py's tcgen05 kernels, which read GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per
-# 128-row UMMA tile (cooperative, cluster 1) in the chain schedule and size their own TMEM and stage ring from the
-# tile N and stages solved here with the sm_90a rules. The backward's tiles (N, K step) come from the same rules;
-# its sm_90a-only knobs (dgrad1's z through the ring, the ring epilogue) are settled off, and its knobs are not
-# overridable yet (issue 20). Opt-in, BF16: cluster 2 (``cluster`` for both forward GEMMs, ``gemm1_cluster`` /
+# sm_100a (Blackwell): the plan's sm_100a rules until its own cost model exists. The forward GEMMs are
+# mokgen/emit_sm100.py's tcgen05 kernels, which read GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per
+# 128-row UMMA tile (cooperative, cluster 1) in the chain schedule; their tile N and default stages are solved here
+# with the sm_90a rules and cost model (a bf16 1-CTA ring costs the same bytes per stage on both archs). The
+# backward's tiles (N, K step) come from the same rules; its sm_90a-only knobs (dgrad1's z through the ring, the
+# ring epilogue) are settled off, and its knobs are not overridable yet (issue 20). Every kernel's tile is then
+# checked against the sm_100a budgets, the 512 TMEM columns and the CTA's shared memory, by mokgen/sm100_rules.py
+# (_tcgen05_budgets; emit_sm100 renders those tiles and asserts the same rules): an override that breaks one is a
+# PlanError here, the forward GEMMs' ``gemm*_stages`` bounded by the sm_100a ring (the 2-CTA form's CTA holds half
+# of each W box, so more stages fit). Opt-in, BF16: cluster 2 (``cluster`` for both forward GEMMs, ``gemm1_cluster`` /
 # ``gemm2_cluster`` for one) plans the 2-CTA form, a CTA pair (cluster of 2 along M) computing a 256-row tile with
 # tcgen05.mma cta_group::2; a pair's rows must belong to one group, so the routing tile (plan.bm) becomes
 # TCGEN05_PAIR_BM and every kernel of the entry (routing, gather, combine, the backward's 1-CTA GEMMs and weight
@@ -902,16 +907,27 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
         raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "
                         f"recipe, sm_90a); on {arch} the FP8 format is dtype mxfp8 (e8m0 scales per 32 elements)")
     clusters = _tcgen05_clusters(spec, arch, overrides)
+    # the forward GEMMs' stages: checked against the sm_100a budgets below (_tcgen05_budgets), not the sm_90a rules
+    stage_overrides = {k: overrides[k] for k in ("gemm1_stages", "gemm2_stages") if k in overrides}
     if spec.dtype == "mxfp8":
         for key in overrides:
             if key.split("_")[-1] in ("bn", "bk", "stages") or key.endswith(("epi_n", "epi_stages")):
                 raise PlanError(f"plan.{key}: the {arch} MXFP8 GEMMs take their fixed tiles so far (GEMM 1 128 x "
                                 f"{MX_BN[1]}, GEMM 2 128 x {MX_BN[2]}, K tile {MX_BK}, as many stages as fit)")
     rest = {k: v for k, v in overrides.items()
-            if k not in ("schedule", "consumer", "bwd_streams", "cluster", "gemm1_cluster", "gemm2_cluster")}
+            if k not in ("schedule", "consumer", "bwd_streams", "cluster", "gemm1_cluster", "gemm2_cluster")
+            and k not in stage_overrides}
     plan = _solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
     g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
     g2 = dataclasses.replace(plan.gemm2, cluster=1)
+    for key, value in stage_overrides.items():
+        stages = _int_override(key, value)
+        if not MIN_STAGES <= stages <= MAX_STAGES:
+            raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {MAX_STAGES}], got {stages}")
+        if key == "gemm1_stages":
+            g1 = dataclasses.replace(g1, stages=stages)
+        else:
+            g2 = dataclasses.replace(g2, stages=stages)
     pair_notes: tuple[str, ...] = ()
     if 2 in clusters.values():   # the 2-CTA form: the plan rebuilt on 256-row routing tiles
         a = get_arch(arch)
@@ -939,7 +955,40 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
     plan = dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=backward, notes=notes)
     if spec.dtype == "mxfp8":
         plan = _tcgen05_mxfp8(plan)
-    return _settle_streams(plan, overrides.get("bwd_streams"))
+    plan = _settle_streams(plan, overrides.get("bwd_streams"))
+    _tcgen05_budgets(plan, overrides)
+    return plan
+
+
+# The overrides that shape each sm_100a kernel's tile (mokgen.sm100_rules.kernel_tiles), by the field a rule
+# checks: a broken budget is reported against the first of them that was given. The dgrads run GEMM 2's K step and
+# epilogue; the backward's own tiles are not overridable on sm_100a yet.
+_TCGEN05_KNOBS = {
+    "stages": ("{k}_stages", "epi_stages", "epi_n", "{k}_bn", "{k}_cluster", "cluster"),
+    "bn": ("{k}_bn", "{k}_cluster", "cluster"),
+    "bk": ("{k}_bn",),
+    "cluster": ("{k}_cluster", "cluster"),
+}
+_TCGEN05_TITLES = {"gemm1": "GEMM 1", "gemm2": "GEMM 2", "dgrad1": "dgrad1", "dgrad2": "dgrad2", "wgrad1": "wgrad1",
+                   "wgrad2": "wgrad2"}
+
+
+def _tcgen05_budgets(plan: Plan, overrides: Mapping[str, Any]) -> None:
+    """Every GEMM kernel of an sm_100a plan (forward, dgrads, weight gradients; BF16 or MXFP8) within its tile rules
+    and budgets (mokgen.sm100_rules: the 512 TMEM columns per SM, the CTA's shared memory), else a one-line
+    PlanError naming the override that broke it (or the plan's GEMM where none did) and the budget."""
+    limit = get_arch(plan.arch).smem_per_cta
+    for name, tile in _sm100.kernel_tiles(plan).items():
+        problems = tile.problems(limit)
+        if not problems:
+            continue
+        field, why = problems[0]
+        keys = [k.format(k=name) for k in _TCGEN05_KNOBS.get(field, ())]
+        if name.startswith("dgrad"):   # GEMM 2's K step and epilogue
+            keys = [k for k in keys if k in ("epi_stages", "epi_n")]
+        key = next((k for k in keys if k in overrides), None)
+        where = key or (name if name.startswith("gemm") else f"backward.{name}")
+        raise PlanError(f"plan.{where}: {_TCGEN05_TITLES[name]} on {plan.arch}: {why}")
 
 
 # MXFP8 on tcgen05 (dtype mxfp8, sm_100a): e4m3 operands, one e8m0 scale per 32 K elements, the block-scaled MMA
@@ -952,21 +1001,22 @@ MX_BN = {1: 256, 2: 128}   # plan.gemm*.bn (GEMM 1 counts gate + up)
 MX_SF_STAGE = 512          # bytes of one 128-row x 4-scale SF atom (one K step of 128 rows)
 
 
+MX_MAX_STAGES = 16
+
+
 def tcgen05_mx_smem(parts: int, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int) -> int:
-    """Shared memory of an sm_100a MXFP8 grouped GEMM (mokgen/emit_sm100.py checks the same): per stage the A box
-    (128 x bk e4m3), `parts` W boxes (bn x bk), their scale atoms (A: 128 rows, W: bn rows rounded up to 128, bk /
-    32 scales each); the bf16 epilogue buffers; barriers; 1024 bytes of alignment per buffer."""
-    sf_cols = bk // 32
-    stage = 128 * bk + parts * bn * bk + 128 * sf_cols + parts * -(-bn // 128) * 128 * sf_cols
-    return stages * stage + 128 * epi_n * 2 * epi_stages + 1024 + (3 + 2 * parts) * 1024
+    """Shared memory of an sm_100a MXFP8 grouped GEMM (mokgen.sm100_rules, which emit_sm100 checks too): per stage
+    the A box (128 x bk e4m3), `parts` W boxes (bn x bk), their scale atoms (A: 128 rows, W: bn rows rounded up to
+    128, bk / 32 scales each); the bf16 epilogue buffers; barriers; 1024 bytes of alignment per buffer."""
+    return _sm100.mx_smem(parts, bn, bk, stages, epi_n, epi_stages)
 
 
 def _mx_gemm(a: Arch, g: GemmPlan, parts: int, bn: int, n_out: int, k_dim: int) -> GemmPlan:
     """GEMM plan `g` in the MXFP8 form: e4m3 (elem_bytes 1), tile N `bn` (counting every part), K tile MX_BK, as
-    many stages as fit the shared memory with their scale atoms (tcgen05_mx_smem)."""
-    fit = [s for s in range(2, 17)
-           if tcgen05_mx_smem(parts, bn // parts, MX_BK, s, g.epi_n, g.epi_stages) <= a.smem_per_cta]
-    return dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1, stages=max(fit),
+    many stages as fit the shared memory with their scale atoms (mokgen.sm100_rules), at most MX_MAX_STAGES."""
+    tile = _sm100.Tile(parts, bn // parts, MX_BK, 0, g.epi_n, g.epi_stages, mx=True)
+    return dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1,
+                               stages=tile.stages_fit(a.smem_per_cta, most=MX_MAX_STAGES),
                                n_tiles=-(-n_out // (bn // parts)), k_tiles=k_dim // MX_BK)
 
 
@@ -1682,6 +1732,8 @@ def explain(plan: Plan, top: int = 5) -> str:
     ]
     if plan.backward is not None:
         lines += ["", *_explain_backward(plan)]
+    if arch.has_tcgen05:
+        lines += ["", *_explain_tcgen05_budgets(plan)]
     if plan.notes:
         lines += ["notes:", *(f"  - {n}" for n in plan.notes)]
     return "\n".join(lines)
@@ -1717,4 +1769,20 @@ def _explain_backward(plan: Plan) -> list[str]:
                   f"({g.smem_bytes()} B smem), raster {g.raster_group}, output {out}{extra}"
                   + ("; with main_grad: an fp32 read-add-write from the accumulators" if name.startswith("wgrad")
                      else "")]
+    return lines
+
+
+def _explain_tcgen05_budgets(plan: Plan) -> list[str]:
+    """An sm_100a plan's budgets, a line per GEMM kernel: the tile it is rendered with (mokgen.sm100_rules.
+    kernel_tiles), its TMEM columns used of 512 and its shared memory used of the CTA's budget."""
+    limit = get_arch(plan.arch).smem_per_cta
+    tiles = _sm100.kernel_tiles(plan)
+    also = {"gemm1": " + gemm1_train" if plan.backward is not None else "", "wgrad1": " + _acc", "wgrad2": " + _acc"}
+    lines = [f"{plan.arch} budgets (mokgen.sm100_rules, the tiles the kernels are rendered with): TMEM "
+             f"{_sm100.TMEM_COLUMNS} columns per SM, shared memory {limit} B per CTA"]
+    for name, t in tiles.items():
+        rows = f"{_sm100.PAIR_M} (2-CTA: {_sm100.UMMA_M} per CTA)" if t.pair else f"{_sm100.UMMA_M}"
+        cols = f"{t.parts} x {t.bn}" if t.parts > 1 else f"{t.bn}"
+        lines.append(f"  {name + also.get(name, ''):<20} {rows} x {cols}, bk {t.bk}, {t.stages} stages, epilogue "
+                     f"{t.epi_n}x{t.epi_stages}{', MXFP8' if t.mx else ''}: {t.budget_text(limit)}")
     return lines
