@@ -44,7 +44,7 @@ def _gemm_params(plan: Plan, which: int, save_z: bool = False) -> dict[str, Any]
     """Forward GEMM `which` (1: gathered x . W1 with the SwiGLU epilogue, saving z when `save_z`; 2: h . W2 with
     the routing weight)."""
     spec = plan.spec
-    g = plan.gemm1 if which == 1 else plan.gemm2
+    g = (plan.train_gemm1 if save_z else plan.gemm1) if which == 1 else plan.gemm2
     H, I = spec.hidden, spec.ffn
     fp8 = spec.dtype == "fp8"
     sfx = "_fp8" if fp8 else ""
@@ -256,7 +256,7 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
                **_fused_params(plan), profile="fused_profile" in experimental)
         return render.sources()
     training = plan.backward is not None
-    if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it
+    if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it (and gemm1_train's)
         render.gather()
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))

@@ -100,10 +100,12 @@ def cap_rows(tokens: int, topk: int, shared: int, groups: int, bm: int) -> int:
     return (raw + bm - 1) // bm * bm
 
 
-def uses_gather_kernel(plan: Any) -> bool:
-    """True when the plan's GEMM 1 reads pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel,
-    instead of gathering rows of x itself (a_load "gather", the default)."""
-    return (getattr(getattr(plan, "gemm1", None), "a_load", "gather") == "tma" and not is_fp8(plan)
+def uses_gather_kernel(plan: Any, training: bool = False) -> bool:
+    """True when the plan's GEMM 1 (``training``: gemm1_train, :attr:`mokgen.plan.Plan.train_gemm1`) reads
+    pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel, instead of gathering rows of x itself
+    (a_load "gather")."""
+    g = getattr(plan, "train_gemm1" if training else "gemm1", None)
+    return (getattr(g, "a_load", "gather") == "tma" and not is_fp8(plan)
             and not is_mxfp8(plan))   # the FP8 / MXFP8 forwards gather x's rows in their quantizer
 
 
@@ -566,6 +568,7 @@ class CompiledMoE:
             _arch_number(self.arch)
         self.kernels = kernels_of(plan)
         self.gather = uses_gather_kernel(plan)
+        self.gather_train = uses_gather_kernel(plan, training=True)
         self.fused = is_fused(plan)
         if functions is None:
             if self.entry_dir is None:
@@ -959,8 +962,9 @@ class CompiledMoE:
             fwd = ("routing", "quant_mx_gather", "gemm1_train" if training else "gemm1", "quant_mx_used", "gemm2",
                    "combine")
         else:
-            fwd = ("routing",) + (("gather",) if self.gather else ()) + ("gemm1_train" if training else "gemm1",
-                                                                          "gemm2", "combine")
+            gather = self.gather_train if training else self.gather
+            fwd = ("routing",) + (("gather",) if gather else ()) + ("gemm1_train" if training else "gemm1", "gemm2",
+                                                                     "combine")
         if not training:
             return fwd
         # FP8 / MXFP8: dO's rows quantized before dgrad1 and dz's used rows after it (FP8) or before dgrad2 (MXFP8).
@@ -1029,7 +1033,7 @@ class CompiledMoE:
                  tile_group=sv.tile_group, meta=sv.meta, slot_pos=sv.slot_pos)
             cap = sv.z.shape[0]
             a = x
-            if self.gather:
+            if self.gather_train:
                 a = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=a)
             h = torch.empty((cap, c.ffn), dtype=torch.bfloat16, device=dev)

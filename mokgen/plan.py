@@ -16,7 +16,7 @@ import json
 import math
 import types
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
 from . import sm100_rules as _sm100  # the sm_100a tile rules (TMEM, shared memory): plan and emit_sm100 share them
@@ -315,6 +315,9 @@ class BackwardPlan:
     wgrad1: GemmPlan
     wgrad2: GemmPlan
     streams: int = 1
+    # the training forward's GEMM 1 (gemm1_train) where it differs from the inference GEMM 1 (plan.gemm1): its A
+    # rows by TMA from the gather kernel's rows and z through the stage ring (see _settle_z_store); None: as gemm1
+    gemm1_train: GemmPlan | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.streams, bool) or self.streams not in BWD_STREAMS:
@@ -322,12 +325,17 @@ class BackwardPlan:
                             f"got {self.streams!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}, "streams": self.streams}
+        d = {**{n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}, "streams": self.streams}
+        if self.gemm1_train is not None:
+            d["gemm1_train"] = self.gemm1_train.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BackwardPlan":
         d = _fields(cls, data, "plan.backward")
-        return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS}, streams=d.get("streams", 1))
+        g1t = d.get("gemm1_train")
+        return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS}, streams=d.get("streams", 1),
+                   gemm1_train=GemmPlan.from_dict(g1t) if g1t is not None else None)
 
 
 def _backward_bn_problem(spec: Spec, arch: Arch, name: str, bn: Any) -> str | None:
@@ -422,6 +430,13 @@ class Plan:
             raise PlanError(
                 f"plan.bm: GEMM1 and GEMM2 must share the M tile, got {self.gemm1.bm}, {self.gemm2.bm}, {self.bm}")
         object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def train_gemm1(self) -> GemmPlan:
+        """The training forward's GEMM 1 (gemm1_train): ``backward.gemm1_train`` where the plan splits it off,
+        else the inference GEMM 1."""
+        g1t = self.backward.gemm1_train if self.backward is not None else None
+        return g1t if g1t is not None else self.gemm1
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -728,14 +743,44 @@ def z_ring_problem(g: GemmPlan) -> str | None:
     return None
 
 
-def _settle_z_store(plan: Plan, mode: Any) -> Plan:
-    """GEMM 1's z path in training (``gemm1_z_store`` override, checked), else "direct" (the ring form is not yet
-    measured against it on the H200: opt-in)."""
+def _train_gemm1(plan: Plan, a_load_given: bool) -> GemmPlan | None:
+    """The BF16 training GEMM 1 with z through the stage ring, or None where it cannot be: A rows by TMA (the
+    gather kernel's rows; unless ``gemm1_a_load`` was given, which then holds for training too), the output through
+    the ring. Measured on the H200, same process (bench/NOTES.md v17, forward+backward): glm-5 6.84 vs 7.33 ms,
+    dbrx-like 63.39 vs 64.84, kimi-k2 8.40 vs 8.45 against the gather-fed GEMM 1 with z stored by the consumers;
+    the inference forward stays on the fused gather (with TMA rows it ran 2.60 vs 2.48 ms on glm-5)."""
+    g = plan.gemm1
+    if g.a_load != "tma":
+        if a_load_given:
+            return None
+        g = _with_epi_store(dataclasses.replace(g, a_load="tma"), parts=2)
+    if z_ring_problem(g) is not None:
+        return None
+    return dataclasses.replace(g, z_store="ring")
+
+
+def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
+    """GEMM 1's z path in training (``gemm1_z_store`` override, checked). BF16 training plans of the chain
+    schedule default to "ring" where :func:`_train_gemm1` finds a tile for it: the training GEMM 1 is then its own
+    plan (``backward.gemm1_train``), the inference GEMM 1 unchanged. FP8: "direct" unless overridden (the ring is
+    not measured there yet); "direct" keeps the training GEMM 1 the inference one."""
+    legal = _SPACE.values("z_store", "gemm1")
+    if mode is not None and mode not in legal:
+        raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
+    split = (plan.backward is not None and plan.schedule == "chain" and plan.spec.dtype == "bf16"
+             and mode != "direct")
+    if split and (g1t := _train_gemm1(plan, a_load_given)) is not None:
+        if g1t == dataclasses.replace(plan.gemm1, z_store="ring"):   # A by TMA already: one GEMM 1 plan
+            plan = dataclasses.replace(plan, gemm1=g1t)
+        else:
+            plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, gemm1_train=g1t))
+        note = ("overrides: gemm1_z_store=ring" if mode == "ring" else
+                "training GEMM 1 (gemm1_train): z through the stage ring" +
+                (", A rows by TMA from the gather kernel (inference keeps the fused gather)"
+                 if plan.gemm1.a_load != "tma" else ""))
+        return dataclasses.replace(plan, notes=plan.notes + (note,))
     if mode is None:
         return plan
-    legal = _SPACE.values("z_store", "gemm1")
-    if mode not in legal:
-        raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
     if mode == "ring" and (why := z_ring_problem(plan.gemm1)) is not None:
         raise PlanError(f"plan.gemm1_z_store: ring {why}")
     return dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, z_store=mode),
@@ -848,7 +893,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     streams = overrides.get("bwd_streams")
     rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store")}
     plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi)
-    plan = _settle_z_store(plan, overrides.get("gemm1_z_store"))
+    plan = _settle_z_store(plan, overrides.get("gemm1_z_store"), "gemm1_a_load" in overrides)
     return _settle_streams(plan, streams)
 
 
@@ -1087,8 +1132,19 @@ WGRAD_DTYPE_KEYS = ("wgrad1_dtype", "wgrad2_dtype")
 WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
 
 
+# An FP8 training plan's weight gradients: FP8 unless overridden (``wgrad*_dtype=bf16``). Measured on the H200,
+# same process, with the rebuilt column quantizers (bench/NOTES.md v17): forward+backward kimi-k2-fp8 6.37 vs 6.69
+# ms, glm-5-fp8 5.53 vs 5.69, qwen3-30b-a3b-fp8 2.17 vs 2.19; the 300-step training check 0.12% from BF16's loss.
+FP8_WGRAD_DEFAULT = "fp8"
+
+
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     wgrad_dtypes = {k: overrides.pop(k) for k in WGRAD_DTYPE_KEYS if k in overrides}
+    # the default applies where neither the dtype nor a BF16 tile N (wgrad*_bn other than FP8's) was asked for
+    defaults = {f"{n}_dtype" for n in ("wgrad1", "wgrad2")
+                if spec.dtype == "fp8" and f"{n}_dtype" not in wgrad_dtypes
+                and overrides.get(f"{n}_bn", FP8_BN) == FP8_BN}
+    wgrad_dtypes.update({k: FP8_WGRAD_DEFAULT for k in defaults})
     wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
     # an FP8 weight gradient's tile is fp8_wgrad's (128 x 128, K step 128): its stages apply to that tile
     fp8_stages = {}
@@ -1102,7 +1158,10 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if f"{name}_stages" in overrides:
             fp8_stages[name] = overrides.pop(f"{name}_stages")
     plan = _solve_dtype_gemms(spec, arch, **overrides)
-    plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes)
+    if plan.backward is None:   # no training kernels: nothing to default
+        wgrad_dtypes = {k: v for k, v in wgrad_dtypes.items() if k not in defaults}
+        fp8_stages = {k: v for k, v in fp8_stages.items() if f"{k}_dtype" not in defaults}
+    plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes, defaults)
     for name, value in fp8_stages.items():
         g = getattr(plan.backward, name)
         stages, most = _int_override(f"{name}_stages", value), _stages_most(get_arch(arch), g)
@@ -1124,7 +1183,8 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     return plan
 
 
-def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, Any]) -> Plan:
+def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, Any],
+                  defaults: Iterable[str] = ()) -> Plan:
     for key, value in wgrad_dtypes.items():
         name = key.removesuffix("_dtype")
         if value not in WGRAD_DTYPES:
@@ -1140,7 +1200,7 @@ def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, 
             plan = dataclasses.replace(plan, backward=dataclasses.replace(
                 plan.backward, **{name: fp8_wgrad(spec, _fp8_arch(arch), name, getattr(plan.backward, name),
                                                   plan.bm)}),
-                notes=plan.notes + (f"overrides: {key}=fp8",))
+                notes=plan.notes + (() if key in defaults else (f"overrides: {key}=fp8",)))
     if plan.backward is not None and spec.dtype == "fp8":   # the FP8 note says which weight gradients are FP8
         w8 = [n for n in ("wgrad1", "wgrad2") if getattr(plan.backward, n).elem_bytes == 1]
         say = ("FP8 weight-gradient GEMMs (128 x 1 tiles along the rows)" if len(w8) == 2 else

@@ -901,11 +901,14 @@ def ref_wgrad_fp8(a, sa, b, sb, group_start, out, num_ctas, *, accumulate: bool 
 
 
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
-                      training: bool = False, fp8_wgrads: tuple[str, ...] = ()) -> dict[str, Callable[..., None]]:
+                      training: bool = False, fp8_wgrads: tuple[str, ...] = (),
+                      gather_train: bool | None = None) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
     from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
-    kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x). ``fused=True``: the fused schedule's two
+    kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x); ``gather_train``: the same for gemm1_train
+    (default ``gather``; a plan whose training GEMM 1 is split off, ``ops.uses_gather_kernel(plan, training=True)``).
+    ``fused=True``: the fused schedule's two
     kernels, ``routing`` (which also zeroes ``sync`` but for its sticky ``sync[2]``) and ``fused`` (GEMM 1,
     GEMM 2 and combine). A dtype "fp8" / "mxfp8" spec gets its GEMMs under the same names with its argument
     tables (``gemm*_fp8`` / ``gemm*_mx``: float32 math on the dequantized operands) and its quantizers
@@ -979,7 +982,8 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
         def gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas):
-            ref_gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=gather)
+            ref_gemm1_train(a, w, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm,
+                            gathered=gather if gather_train is None else gather_train)
 
         def dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas):
             ref_dgrad1(a, w, bias, row, tile_group, meta, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)

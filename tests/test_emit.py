@@ -50,6 +50,8 @@ def test_emit_is_deterministic_and_headed(name):
                 "dgrad2.py", "wgrad1.py", "wgrad2.py", "wgrad1_acc.py", "wgrad2_acc.py"}
     if plan.spec.dtype == "fp8":   # the FP8 forms keep the kernel names; the quantization kernels join them
         expected |= {"quant_rows_used.py", "quant_rows_gather.py", "quant_w.py", "quant_wt.py"}
+        # FP8 weight gradients (the FP8 training default): their operands' column quantizers
+        expected |= {"quant_cols_used.py", "quant_cols_gather.py", "quant_both_used.py", "quant_both_gather.py"}
     if plan.spec.ep > 1 and plan.spec.dtype == "bf16":   # expert parallelism's kernels (issue 22, mokgen/ep_ops.py)
         expected |= {"ep_routing.py", "ep_dispatch.py", "ep_push.py"}
     assert set(a.files) == expected

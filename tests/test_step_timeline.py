@@ -28,7 +28,8 @@ def _tool():
 
 def _moe(spec):
     plan = P.solve(spec, "sm_90a")
-    fns = ref.reference_kernels(spec, plan.bm, gather=ops.uses_gather_kernel(plan), training=True)
+    fns = ref.reference_kernels(spec, plan.bm, gather=ops.uses_gather_kernel(plan), training=True,
+                                gather_train=ops.uses_gather_kernel(plan, training=True))
     return ops.CompiledMoE(spec, plan, functions=fns, allow_cpu=True, arch="sm_90a")
 
 

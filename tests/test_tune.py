@@ -350,7 +350,8 @@ def _train_moe(spec, plan):
     from mokgen.reference import reference_kernels
 
     return CompiledMoE(spec, plan, allow_cpu=True, functions=reference_kernels(
-        spec, plan.bm, gather=plan.gemm1.a_load == "tma", training=True))
+        spec, plan.bm, gather=plan.gemm1.a_load == "tma", training=True,
+        gather_train=plan.train_gemm1.a_load == "tma"))
 
 
 def test_tune_train_picks_the_measured_winner_stores_it_and_compile_applies_it(
