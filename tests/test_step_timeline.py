@@ -26,8 +26,8 @@ def _tool():
     return sys.modules[name]
 
 
-def _moe(spec):
-    plan = P.solve(spec, "sm_90a")
+def _moe(spec, **overrides):
+    plan = P.solve(spec, "sm_90a", **overrides)
     fns = ref.reference_kernels(spec, plan.bm, gather=ops.uses_gather_kernel(plan), training=True,
                                 gather_train=ops.uses_gather_kernel(plan, training=True))
     return ops.CompiledMoE(spec, plan, functions=fns, allow_cpu=True, arch="sm_90a")
@@ -38,8 +38,12 @@ def test_launch_sequence_follows_the_plan():
     kimi = _moe(load_spec("kimi-k2"))           # GEMM 1 gathers its rows itself
     assert qwen.launch_sequence(training=False) == ("routing", "gather", "gemm1", "gemm2", "combine")
     assert kimi.launch_sequence(training=False) == ("routing", "gemm1", "gemm2", "combine")
-    assert kimi.launch_sequence() == ("routing", "gemm1_train", "gemm2", "combine", "gather_dO", "dgrad1", "wgrad2",
-                                      "dgrad2", "combine_dx", "gather_x", "wgrad1")
+    # training: gemm1_train reads the gather kernel's rows by TMA (its z through the stage ring: NOTES v17)
+    assert kimi.launch_sequence() == ("routing", "gather", "gemm1_train", "gemm2", "combine", "gather_dO", "dgrad1",
+                                      "wgrad2", "dgrad2", "combine_dx", "gather_x", "wgrad1")
+    old = _moe(load_spec("kimi-k2"), gemm1_z_store="direct")   # the training GEMM 1 as the inference one
+    assert old.launch_sequence() == ("routing", "gemm1_train", "gemm2", "combine", "gather_dO", "dgrad1", "wgrad2",
+                                     "dgrad2", "combine_dx", "gather_x", "wgrad1")
 
 
 def test_labels_a_recorded_step():
@@ -51,9 +55,10 @@ def test_labels_a_recorded_step():
                and "device call 1" in r.get("run", ""))
     spec = load_spec(REPO / "tools/specs/dbrx-like.yaml")
     unit = 2.0 * spec.tokens * (spec.topk + spec.shared_experts) * spec.hidden * spec.ffn
-    phases, twins = t.label_phases(rec["kernels_ms"], _moe(spec).launch_sequence(), unit)
+    moe = _moe(spec, gemm1_z_store="direct")   # the plan that step ran (before the training GEMM 1 split)
+    phases, twins = t.label_phases(rec["kernels_ms"], moe.launch_sequence(), unit)
     names = [p for p, _, _ in phases]
-    assert names == list(_moe(spec).launch_sequence())
+    assert names == list(moe.launch_sequence())
     rate = {p: tf for p, _, tf in phases if tf is not None}
     assert set(rate) == {"gemm1_train", "gemm2", "dgrad1", "wgrad2", "dgrad2", "wgrad1"}
     assert rate["gemm2"] == pytest.approx(unit / (dict((p, ms) for p, ms, _ in phases)["gemm2"] * 1e-3) / 1e12, rel=1e-3)
