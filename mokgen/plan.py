@@ -670,7 +670,15 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     _mxfp8_arch(spec, arch)
     if get_arch(arch).has_tcgen05:   # sm_100a: one form (its rules) until it has its own ranking
         return [_tcgen05_form(spec, arch, {})]
-    return [_settle_epi_store(p, {}) for p in _candidates_any(spec, arch)]
+    return [_settle_z_store(_fp8_wgrad_default(spec, arch, _settle_epi_store(p, {})), None)
+            for p in _candidates_any(spec, arch)]
+
+
+def _fp8_wgrad_default(spec: Spec, arch: str, plan: Plan) -> Plan:
+    """`plan` with the FP8 weight gradients an FP8 training plan gets by default (FP8_WGRAD_DEFAULT), as solve."""
+    if spec.dtype != "fp8" or plan.backward is None:
+        return plan
+    return _wgrad_dtypes(spec, arch, plan, dict.fromkeys(WGRAD_DTYPE_KEYS, FP8_WGRAD_DEFAULT), WGRAD_DTYPE_KEYS)
 
 
 def _candidates_any(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
@@ -1226,7 +1234,7 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     rest = {k: v for k, v in overrides.items()
             if k not in promote_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load") and k not in fp8_bn}
     if not rest:
-        plan = candidates(spec, arch)[0]
+        plan = _settle_epi_store(_candidates_any(spec, arch)[0], {})
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
         plan = _solve(spec, arch, **{"consumer": "cooperative", **rest})
         plan = fp8_plan(spec, a, dataclasses.replace(

@@ -125,8 +125,8 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
     if plan.spec.dtype == "fp8":   # e4m3 wgmma in the FP8 GEMMs, fp32 accumulate; the quantizers' conversion
         for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2"):
             assert ".f32.e4m3.e4m3" in (Path(art.dir) / f"{k}.ptx").read_text(), k
-        for k in ("wgrad1", "wgrad2"):   # the weight gradients stay BF16
-            assert ".f32.bf16.bf16" in (Path(art.dir) / f"{k}.ptx").read_text(), k
+        for k in ("wgrad1", "wgrad2"):   # FP8 weight gradients by default (plan.FP8_WGRAD_DEFAULT)
+            assert ".f32.e4m3.e4m3" in (Path(art.dir) / f"{k}.ptx").read_text(), k
         for k in ("quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt"):
             assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
         assert plan.gemm1.a_load == "tma" and "cp.async.cg.shared.global" not in ptx
@@ -250,15 +250,19 @@ def test_pingpong_compiles(tmp_path):
 
 
 def test_gemm1_z_store_ring_plan_and_render():
-    """GEMM 1's z path in training (plan gemm1.z_store): "direct" by default; "ring" only with the output
-    through the ring too (TMA-loaded rows), BF16 and a tile whose W stage holds whole z stages; one-line errors."""
+    """GEMM 1's z path in training: by default the BF16 training GEMM 1 (plan.train_gemm1) stores z through the
+    ring, the inference GEMM 1 (fused gather) keeps "direct"; "ring" needs the output through the ring too
+    (TMA-loaded rows), BF16 and a tile whose W stage holds whole z stages; one-line errors."""
     from mokgen import configs
     from mokgen.plan import PlanError, z_ring_problem
 
     spec = load_spec("kimi-k2")
-    assert solve(spec, "sm_90a").gemm1.z_store == "direct"
+    default = solve(spec, "sm_90a")
+    assert default.gemm1.z_store == "direct" and default.gemm1.a_load == "gather"
+    assert default.train_gemm1.z_store == "ring" and default.train_gemm1.a_load == "tma"
+    assert solve(spec, "sm_90a", gemm1_z_store="direct").train_gemm1 == default.gemm1
     with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: ring needs the output through the ring too"):
-        solve(spec, "sm_90a", gemm1_z_store="ring")   # the fused cp.async gather keeps the smem epilogue
+        solve(spec, "sm_90a", gemm1_a_load="gather", gemm1_z_store="ring")   # the fused gather: smem epilogue
     with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: must be one of ring, direct, got 'tma'$"):
         solve(spec, "sm_90a", gemm1_a_load="tma", gemm1_z_store="tma")
     with pytest.raises(PlanError, match=r"^plan\.gemm1_z_store: ring a W stage of 24576 bytes"):
@@ -270,7 +274,8 @@ def test_gemm1_z_store_ring_plan_and_render():
     assert plan.gemm1.z_store == "ring" and z_ring_problem(plan.gemm1) is None and configs.check_plan(plan) == []
     files = emit(plan).files
     assert "Z_RING = True" in files["gemm1_train.py"] and "Z_RING = False" in files["gemm1.py"]
-    assert "Z_RING = False" in emit(solve(spec, "sm_90a", gemm1_a_load="tma")).files["gemm1_train.py"]
+    assert "Z_RING = False" in emit(solve(spec, "sm_90a", gemm1_a_load="tma",
+                                          gemm1_z_store="direct")).files["gemm1_train.py"]
 
 
 @pytest.mark.slow

@@ -38,8 +38,10 @@ def test_fp8_plan_constraints(name):
     ceil = lambda k: -(-k // 128)   # noqa: E731  (a partial last K block where 128 does not divide K)
     assert (plan.gemm1.k_tiles, plan.gemm2.k_tiles) == (ceil(spec.hidden), ceil(spec.ffn))
     assert (plan.backward.dgrad1.k_tiles, plan.backward.dgrad2.k_tiles) == (ceil(spec.hidden), ceil(2 * spec.ffn))
-    for g in (plan.backward.wgrad1, plan.backward.wgrad2):   # the weight gradients stay BF16
-        assert g.elem_bytes == 2 and g.bk == 64
+    for g in (plan.backward.wgrad1, plan.backward.wgrad2):   # FP8 weight gradients by default (128 x 1 scales)
+        assert g.elem_bytes == 1 and g.bk == 128 and g.bn == 128
+    kept = solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="bf16").backward   # the BF16 ones on request
+    assert all(g.elem_bytes == 2 and g.bk == 64 for g in (kept.wgrad1, kept.wgrad2))
     assert any("fp8" in n for n in plan.notes)
 
 
@@ -115,7 +117,9 @@ def test_fp8_emit():
     assert "SB_N = 1" in g1 and "SB_P = 2048" in g1 and "SB_ROWS = 32" in g1   # W1 [2I, H]: gate rows, then up
     assert "SB_ROWS = 56" in g2 and "B_MN = False" in d1 and "EPILOGUE = \"dswiglu\"" in d1
     assert "N_OUT = 7168" in d2 and "K_DIM = 4096" in d2   # dgrad2 reads W1's transposed copy [G, H, 2I]
-    assert "FP8 = False" in files["wgrad1.py"] or "FP8" not in files["wgrad1.py"]
+    assert "FP8 = True" in files["wgrad1.py"] and "FP8 = True" in files["wgrad2.py"]   # FP8 wgrads by default
+    bf16 = emit(solve(load_spec("kimi-k2-fp8"), wgrad1_dtype="bf16")).files
+    assert "FP8 = False" in bf16["wgrad1.py"] and "FP8 = True" in bf16["wgrad2.py"]
 
 
 @pytest.mark.parametrize("name", FP8_PRESETS)
