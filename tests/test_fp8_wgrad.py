@@ -52,6 +52,9 @@ def _moe(spec, pl, calls=None, captured=None):
     return CompiledMoE(spec, pl, functions=fns, allow_cpu=True)
 
 
+BF16W = dict(wgrad1_dtype="bf16", wgrad2_dtype="bf16")   # the BF16 weight gradients (not the default)
+
+
 def test_plan_fp8_wgrad_tiles_and_errors():
     spec = _spec()
     pl = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8")
@@ -59,18 +62,20 @@ def test_plan_fp8_wgrad_tiles_and_errors():
         g = getattr(pl.backward, name)
         assert (g.bn, g.bk, g.elem_bytes, g.stage_scale_bytes) == (128, 128, 1, (128 + 128) * 4)
         assert g.smem_bytes() <= 227 * 1024 and g.stages >= 3
-    assert pl.backward.dgrad1 == P.solve(spec).backward.dgrad1   # only the weight gradients change
-    only2 = P.solve(spec, wgrad2_dtype="fp8")
+    base = P.solve(spec, **BF16W)
+    assert pl.backward.dgrad1 == base.backward.dgrad1   # only the weight gradients change
+    assert P.solve(spec).backward == pl.backward   # FP8 weight gradients are the default (plan.FP8_WGRAD_DEFAULT)
+    only2 = P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="fp8")
     assert only2.backward.wgrad1.elem_bytes == 2 and only2.backward.wgrad2.elem_bytes == 1
-    assert P.solve(spec, wgrad1_dtype="bf16") == P.solve(spec) or \
-        P.solve(spec, wgrad1_dtype="bf16").backward == P.solve(spec).backward
+    assert P.solve(spec, wgrad1_dtype="bf16").backward.wgrad1 == base.backward.wgrad1
+    assert P.solve(spec, wgrad1_bn=256).backward.wgrad1 == P.solve(spec, wgrad1_dtype="bf16", wgrad1_bn=256).backward.wgrad1
     with pytest.raises(P.PlanError, match=r"^plan\.wgrad1_dtype: must be one of bf16, fp8, got 'e5m2'$"):
         P.solve(spec, wgrad1_dtype="e5m2")
     bf16 = Spec(name="b", hidden=H, ffn=I, experts=E, topk=K, tokens=64)
     with pytest.raises(P.PlanError, match=r"^plan\.wgrad2_dtype: FP8 weight gradients .*dtype fp8.*bf16$"):
         P.solve(bf16, wgrad2_dtype="fp8")
     assert {"quant_cols_used", "quant_cols_gather"} <= set(kernels_of(pl))
-    assert not {"quant_cols_used", "quant_cols_gather"} & set(kernels_of(P.solve(spec)))
+    assert not {"quant_cols_used", "quant_cols_gather"} & set(kernels_of(base))
 
 
 @pytest.mark.parametrize("streams", [1, 2])
@@ -82,7 +87,7 @@ def test_fp8_wgrads_launches_and_gradients(streams):
     resolution)."""
     spec = _spec()
     x, idx, wt, w1, w2, b1, b2 = _inputs(spec, 1)
-    base = P.solve(spec, bwd_streams=streams)
+    base = P.solve(spec, bwd_streams=streams, **BF16W)
     cap = {}
     m16 = _moe(spec, base, captured=cap)
     y16, s16 = m16.forward_train(x, idx, wt, w1, w2)
@@ -130,7 +135,7 @@ def test_fp8_wgrad1_only_main_grad_and_bias():
     fp32 main_grad accumulation: the accumulated dW1 is the bf16 output's fp32 twin, dW2 the BF16 path's bits."""
     spec = _spec(T=200, bias=True)
     x, idx, wt, w1, w2, b1, b2 = _inputs(spec, 2)
-    pl = P.solve(spec, wgrad1_dtype="fp8")
+    pl = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="bf16")
     m8 = _moe(spec, pl)
     y, sv = m8.forward_train(x, idx, wt, w1, w2, b1, b2)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
@@ -138,7 +143,7 @@ def test_fp8_wgrad1_only_main_grad_and_bias():
     seq = m8.launch_sequence()
     assert "gather_dO" in seq and "gather_x" not in seq and "quant_both_used_dz" in seq
     assert "quant_rows_gather" in seq[seq.index("gather_dO"):]   # dO's rows only: wgrad2 is BF16
-    m16 = _moe(spec, P.solve(spec))
+    m16 = _moe(spec, P.solve(spec, **BF16W))
     y16, sv16 = m16.forward_train(x, idx, wt, w1, w2, b1, b2)
     g16 = m16.backward(dy, sv16, x, wt, w1, w2, b1, b2)
     assert torch.equal(g.w2, g16.w2) and torch.equal(g.b1, g16.b1) and torch.equal(g.b2, g16.b2)
@@ -197,7 +202,8 @@ def test_quant_both_forms_are_rows_and_cols():
 
 @pytest.mark.slow
 def test_fp8_wgrads_compile_for_sm90a(tmp_path):
-    """kimi-k2-fp8 with both weight gradients in FP8 (wgrad2 staggered): the four wgrad kernels compile for sm_90a with e4m3 wgmma
+    """kimi-k2-fp8 with both weight gradients in FP8 (wgrad1 overlapped, wgrad2 staggered): the four wgrad kernels
+    compile for sm_90a with e4m3 wgmma
     (m64n128k32), TMA loads of the operands and of the scales, the per-element promotion (one FMUL and one FFMA
     per accumulator element per K block), no ptxas advisory; the column quantizers convert with
     cvt.rn.satfinite."""
@@ -211,7 +217,7 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
     from mokgen.spec import load_spec
 
     plan = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8",
-                   wgrad2_promote="stagger")
+                   wgrad1_promote="overlap", wgrad2_promote="stagger")
     src = emit(plan)
     keep = {f"{k}.py" for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc", "quant_cols_used",
                                 "quant_cols_gather", "quant_both_used", "quant_both_gather")}
@@ -224,6 +230,9 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
         assert len(re.findall(r"fma\.rn\.f32", ptx)) >= 64 and len(re.findall(r"mul\.f32", ptx)) >= 64, k
         # wgrad2 staggers its warpgroups' promotions (named barrier 5), wgrad1 does not
         assert ("bar.arrive 5, 256" in ptx) == k.startswith("wgrad2"), k
+        # wgrad1 overlaps: its K blocks unrolled in chains of 4, 2 and 1 (4 wgmma each), waits (1) inside a chain
+        assert ptx.count("wgmma.mma_async") == (28 if k.startswith("wgrad1") else 4), k
+        assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == k.startswith("wgrad1"), k
     for k in ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather"):
         assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
     adv = build.ptxas_report(art)
@@ -235,12 +244,13 @@ def test_explain_shows_the_backward_choices():
     """plan --explain has a backward section: each backward GEMM's operand type, tile, stages and output path;
     the FP8 note says which weight gradients are FP8."""
     spec = _spec()
-    text = P.explain(P.solve(spec, wgrad2_dtype="fp8", wgrad2_promote="stagger"))
+    text = P.explain(P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="fp8", wgrad2_promote="stagger"))
     back = text[text.index("backward (training"):text.index("notes:")]
     assert "wgrad2  dW2[g]" in back and "per 128 x 1 tile along the rows" in back and "(stagger)" in back
     assert back.count("BF16") == 1   # wgrad1 only (the dgrads are FP8)
     assert "weight gradients: wgrad2 FP8, the other BF16" in text and "BF16 weight-gradient GEMMs" not in text
-    assert "BF16 weight-gradient GEMMs" in P.explain(P.solve(spec))
+    assert "BF16 weight-gradient GEMMs" in P.explain(P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="bf16"))
+    assert "FP8 weight-gradient GEMMs" in P.explain(P.solve(spec))   # the default (plan.FP8_WGRAD_DEFAULT)
 
 
 @pytest.mark.parametrize("T", [1, 37])
@@ -251,7 +261,7 @@ def test_fp8_wgrads_empty_experts_and_tiny_T(T):
     x, idx, wt, w1, w2, *_ = _inputs(spec, 5)
     idx = torch.stack([torch.zeros(T, dtype=torch.int32), torch.full((T,), 2, dtype=torch.int32)], 1)  # 1, 3 empty
     m8 = _moe(spec, P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8"))
-    m16 = _moe(spec, P.solve(spec))
+    m16 = _moe(spec, P.solve(spec, **BF16W))
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(11)).bfloat16()
     g = {}
     for name, m in (("fp8", m8), ("bf16", m16)):
