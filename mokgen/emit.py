@@ -350,8 +350,9 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
         if plan.spec.dtype != "fp8":
             raise EmitError(f"{what}.elem_bytes: FP8 weight gradients belong to dtype fp8 specs, got "
                             f"{plan.spec.dtype}")
-        if g.promote not in ("serial", "stagger"):
-            raise EmitError(f"{what}.promote: the FP8 weight gradients promote serial or stagger, got {g.promote!r}")
+        if g.promote not in ("serial", "stagger", "overlap"):
+            raise EmitError(f"{what}.promote: the FP8 weight gradients promote serial, stagger or overlap, got "
+                            f"{g.promote!r}")
         if g.bk != 128 or plan.bm % g.bk or g.bn != 128:
             raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 with 128-row K steps that divide the routing "
                             f"tile (got bn {g.bn}, bk {g.bk}, routing tile {plan.bm})")

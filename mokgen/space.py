@@ -104,9 +104,11 @@ SM90 = ArchSpace(
              doc="the bf16 output: through the stage ring, TMA-stored by a storer warp, or through the epi_stages "
                  "buffers by the first consumer warp; derived: ring where the tile allows (TMA-loaded A, "
                  "cooperative, no cluster)"),
-        Knob("promote", _WGRAD, ("serial", "stagger"), search=("serial", "stagger"),
-             doc="FP8 weight gradients: each K block's wgmma waited before its promotion (serial), or the two "
-                 "warpgroups one block apart on tiles of at least STAGES blocks (stagger); derived: serial"),
+        Knob("promote", _WGRAD, ("serial", "stagger", "overlap"), search=("serial", "stagger", "overlap"),
+             doc="FP8 weight gradients: each K block's wgmma waited before its promotion (serial), the two "
+                 "warpgroups one block apart on tiles of at least STAGES blocks (stagger), or the next block's "
+                 "wgmma queued before a block's promotion (overlap: two per-block accumulators, chains of 4 "
+                 "blocks); derived: serial"),
         Knob("dtype", _WGRAD, ("bf16", "fp8"), search=("bf16", "fp8"),
              doc="FP8 specs: the weight gradient's operands, bf16 rows as read, or e4m3 per 128 x 1 tile along the "
                  "rows (quantized transposed by quant_cols*, promoted per element every 128 rows); derived: bf16"),

@@ -217,16 +217,17 @@ def test_promote_modes_same_bits(case):
 
 def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case, ctas):
     """With FP8 weight gradients (MOKGEN_GPU_OVERRIDES wgrad1_dtype=fp8 / wgrad2_dtype=fp8): dW1 / dW2 have the
-    same bits under both promotions (serial; stagger: the two warpgroups one K block apart on tiles of at least
-    STAGES blocks), across half and all the SMs' CTAs (66 / 132 on an H200) and from run to run (random and
+    same bits under every promotion (serial; stagger: the two warpgroups one K block apart on tiles of at least
+    STAGES blocks; overlap: the next block's wgmma queued before a block's promotion), across half and all the SMs' CTAs (66 / 132 on an H200) and from run to run (random and
     skewed routing); dx and the router gradient equal the BF16-wgrad step's bits (the weight gradients feed
     nothing else); dW against the BF16 weight gradients: e4m3's resolution (reported)."""
     spec, moe, inp = case
     if not moe.fp8_wgrads:
         pytest.skip("the plan's weight gradients are BF16 (set MOKGEN_GPU_OVERRIDES=wgrad1_dtype=fp8,...)")
-    flip = {f"{n}_promote": "stagger" if getattr(moe.plan.backward, n).promote == "serial" else "serial"
-            for n in moe.fp8_wgrads}
-    other = mokgen.compile(spec, overrides={**OVERRIDES, **flip})
+    modes = ("serial", "stagger", "overlap")
+    flips = [{f"{n}_promote": modes[(modes.index(getattr(moe.plan.backward, n).promote) + shift) % 3]
+              for n in moe.fp8_wgrads} for shift in (1, 2)]
+    others = [mokgen.compile(spec, overrides={**OVERRIDES, **flip}) for flip in flips]
     bf16w = mokgen.compile(spec, overrides={k: v for k, v in OVERRIDES.items()
                                             if not k.startswith(("wgrad1_", "wgrad2_"))})
     dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
@@ -241,15 +242,18 @@ def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case, ctas):
                            b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
     for c in (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight)):
-        runs = [step(moe, c), step(moe, c), step(moe, c, num_ctas=ctas.half), step(other, c), step(bf16w, c)]
+        runs = [step(moe, c), step(moe, c), step(moe, c, num_ctas=ctas.half), step(bf16w, c)]
+        runs += [step(o, c) for o in others]
         torch.cuda.synchronize()
         for n in ("w1", "w2"):
             g = getattr(runs[0], n)
             assert bool(torch.isfinite(g).all()), f"{spec.name}: d{n} not finite"
-            for i, what in ((1, "run to run"), (2, f"{ctas.half} vs {ctas.full} CTAs"), (3, f"promotion {flip}")):
+            for i, what in ((1, "run to run"), (2, f"{ctas.half} vs {ctas.full} CTAs"),
+                            (4, f"promotion {flips[0]}"), (5, f"promotion {flips[1]}")):
                 assert same(g, getattr(runs[i], n)), f"{spec.name}: d{n} bits differ: {what}"
-            err = ref.rel_err(g.float(), getattr(runs[4], n).double())
+            err = ref.rel_err(g.float(), getattr(runs[3], n).double())
             print(f"{spec.name}: FP8 d{n} vs the BF16 weight gradient: rel err {err:.3e}")
             assert err < 0.1, f"d{n}: {err:.3e} from the BF16 weight gradient"
-        assert same(runs[0].x, runs[4].x) and same(runs[0].topk_weight, runs[4].topk_weight)
-    other.check_errors()
+        assert same(runs[0].x, runs[3].x) and same(runs[0].topk_weight, runs[3].topk_weight)
+    for o in others:
+        o.check_errors()

@@ -1,5 +1,5 @@
 """The FP8 weight-gradient kernels on a GPU (H200, sm_90a), alone: templates/sm90/wgrad.py.j2's FP8 form and the
-column quantizers, built for a small fp8 spec whose weight gradients are FP8 (wgrad1 serial, wgrad2 staggered),
+column quantizers, built for a small fp8 spec whose weight gradients are FP8 (wgrad1 overlapped, wgrad2 staggered),
 fed operands the GPU's quant_cols_used wrote from random bf16 rows (no zeros), against
 mokgen.reference.ref_wgrad_fp8 (the same per-128-row-block promotion, each block's e4m3 products summed exactly)
 and against the float64 product of the dequantized operands.
@@ -34,7 +34,10 @@ def _plan():
 
     spec = load_spec({"name": "fp8-wgrad-test", "hidden": H, "ffn": I, "experts": E, "topk": 2, "tokens": 1024,
                       "dtype": "fp8"})
-    return P.solve(spec, "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8", wgrad2_promote="stagger")
+    # wgrad1 overlaps its promotion (chains of 4 blocks: the 9-block group runs 4 + 4 + 1, the 3-block one 2 + 1),
+    # wgrad2 staggers it; serial is the default of the layer suites
+    return P.solve(spec, "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8", wgrad1_promote="overlap",
+                   wgrad2_promote="stagger")
 
 
 KERNELS = ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc", "quant_cols_used")
