@@ -55,17 +55,19 @@ def test_teacher_is_a_topk_moe():
 
 def test_dry_run_passes_the_check():
     """The whole check on the CPU (reference kernels: FP8 quantization emulated as the kernels do it), 200 steps of
-    the tiny task: learning, and FP8's final loss within 2% of BF16's (measured 1.24%)."""
+    the tiny task (FP8 weight gradients, the default): learning, and FP8's final loss within 2% of BF16's
+    (measured 0.02%; seeds 1 / 2: 0.41% / 0.20%)."""
     rec = F.run_check(F.Task(**F.DRY), torch.device("cpu"), reference_compiler(bm=16))
     assert rec["ok"], rec["failures"]
-    assert rec["final_bf16"] < 0.1 and rec["rel_diff"] < F.TOL
+    assert rec["final_bf16"] < 0.2 * rec["losses_bf16"][0] and rec["rel_diff"] < F.TOL
 
 
 def test_fp8_weight_gradients_run_and_learn():
-    """--fp8-set wgrad1_dtype=fp8,wgrad2_dtype=fp8: the FP8 run's weight gradients are FP8 (its layer's plan and
+    """--fp8-set wgrad1_dtype=fp8,wgrad2_dtype=fp8 (the default since NOTES v17; wgrad*_dtype=bf16 keeps BF16):
+    the FP8 run's weight gradients are FP8 (its layer's plan and
     launch sequence say so), the BF16 run is unchanged, and 3 steps learn. (The whole 300-step check on the
     CPU, H 256, I 128, 8 experts, 512 tokens: finals 0.2367 BF16, 0.2356 FP8, 0.46% apart; the tiny 200-step
-    dry-run task landed 2.65% apart, FP8 below BF16: that task's tail is noisy.)"""
+    dry-run task at 64 tokens landed 2.65% apart, FP8 below BF16: that task's tail was noisy, so DRY has 256.)"""
     t = dataclasses.replace(F.Task(**F.DRY), steps=3)
     make = reference_compiler(bm=16, fp8_overrides={"wgrad1_dtype": "fp8", "wgrad2_dtype": "fp8"})
     seen = []
@@ -78,7 +80,10 @@ def test_fp8_weight_gradients_run_and_learn():
     rec = F.run_check(t, torch.device("cpu"), compiler)
     assert [s[:2] for s in seen] == [("bf16", ()), ("fp8", ("wgrad1", "wgrad2"))]
     assert "quant_both_used_dz" in seen[1][2] and "gather_x" not in seen[1][2]
-    base = F.run_check(t, torch.device("cpu"), reference_compiler(bm=16))
+    base = F.run_check(t, torch.device("cpu"), reference_compiler(
+        bm=16, fp8_overrides={"wgrad1_dtype": "bf16", "wgrad2_dtype": "bf16"}))
     assert rec["losses_bf16"] == base["losses_bf16"]   # the BF16 run does not see the FP8 overrides
     assert rec["losses_fp8"] != base["losses_fp8"]     # the FP8 weight gradients changed the FP8 run
+    default = F.run_check(t, torch.device("cpu"), reference_compiler(bm=16))
+    assert default["losses_fp8"] == rec["losses_fp8"]  # and they are the default (plan.FP8_WGRAD_DEFAULT)
     assert all(math.isfinite(v) for v in rec["losses_fp8"]) and rec["losses_fp8"][-1] < rec["losses_fp8"][0]
