@@ -27,13 +27,14 @@ def fp8_plan():
 def test_rendered_for_fp8_specs_only():
     """emit renders the quantizers the FP8 layer launches (the column forms too when a weight gradient is FP8);
     emit_fp8_quant renders any of them, the same text."""
-    src = emit(fp8_plan())
+    bf16w = solve(fp8_plan().spec, "sm_90a", wgrad1_dtype="bf16", wgrad2_dtype="bf16")
+    src = emit(bf16w)
     assert {n for n in src.files if n.startswith("quant_")} == {f"{k}.py" for k in kernels.FP8_LAYER_KERNELS}
-    w8 = emit(solve(fp8_plan().spec, "sm_90a", wgrad2_dtype="fp8"))
-    assert {n for n in w8.files if n.startswith("quant_")} == {
-        f"{k}.py" for k in kernels.FP8_LAYER_KERNELS + kernels.FP8_WGRAD_KERNELS}
+    for w8 in (emit(fp8_plan()), emit(solve(fp8_plan().spec, "sm_90a", wgrad1_dtype="bf16", wgrad2_dtype="fp8"))):
+        assert {n for n in w8.files if n.startswith("quant_")} == {   # FP8 weight gradients: the default
+            f"{k}.py" for k in kernels.FP8_LAYER_KERNELS + kernels.FP8_WGRAD_KERNELS}
     assert not any(n.startswith("quant_") for n in emit(solve(load_spec(BASE), "sm_90a")).files)
-    every = emit_fp8_quant(fp8_plan())
+    every = emit_fp8_quant(bf16w)
     assert set(every) == {f"{k}.py" for k in QUANT}
     assert {n: t for n, t in every.items() if n in src.files} == {n: src.files[n] for n in src.files
                                                                    if n.startswith("quant_")}   # the same text
