@@ -515,9 +515,17 @@ def mx_built(tmp_path_factory):
 
 @pytest.mark.slow
 def test_mxfp8_kernels_compile_for_sm100a(mx_built):
+    plan, art = mx_built
+    check_mx_ptx(plan, art)
+
+
+def check_mx_ptx(plan, art) -> None:
+    """The PTX of a built MXFP8 training entry (`art`, built from `plan`): the block-scaled tcgen05 MMA, its scale
+    copies, TMA loads and instruction descriptor in the forward GEMMs and the dgrads (per the plan's tiles), the
+    dgrad1 / gemm1_train epilogue stores, the quantizers' instructions (tests/test_mxfp8_shapes.py runs it on other
+    shapes)."""
     from mokgen import build
 
-    plan, art = mx_built
     assert art.kernels == tuple(sorted(MX_KERNELS + MX_TRAIN))
     report = build.ptx_report(art)
     for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2"):
