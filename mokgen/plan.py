@@ -770,8 +770,11 @@ def _train_gemm1(plan: Plan, a_load_given: bool) -> GemmPlan | None:
 def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
     """GEMM 1's z path in training (``gemm1_z_store`` override, checked). BF16 training plans of the chain
     schedule default to "ring" where :func:`_train_gemm1` finds a tile for it: the training GEMM 1 is then its own
-    plan (``backward.gemm1_train``), the inference GEMM 1 unchanged. FP8: "direct" unless overridden (the ring is
-    not measured there yet); "direct" keeps the training GEMM 1 the inference one."""
+    plan (``backward.gemm1_train``), the inference GEMM 1 unchanged. FP8 training plans (GEMM 1's A already by TMA,
+    from quant_rows_gather) default to "ring" where the tile takes it: one GEMM 1 plan for both (the inference GEMM
+    1 stores no z; its output's bits do not depend on the z path). Measured on the H200, same process
+    (bench/NOTES.md v19, forward+backward kimi-k2-fp8): 6.26 ms with the ring against 6.74 direct, 6.10 with the
+    overlapped wgrad promotion too. "direct" keeps the old path."""
     legal = _SPACE.values("z_store", "gemm1")
     if mode is not None and mode not in legal:
         raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
@@ -787,6 +790,10 @@ def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
                 (", A rows by TMA from the gather kernel (inference keeps the fused gather)"
                  if plan.gemm1.a_load != "tma" else ""))
         return dataclasses.replace(plan, notes=plan.notes + (note,))
+    if (mode is None and plan.backward is not None and plan.spec.dtype == "fp8" and plan.gemm1.a_load == "tma"
+            and z_ring_problem(plan.gemm1) is None):
+        return dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, z_store="ring"),
+                                   notes=plan.notes + ("training GEMM 1: z through the stage ring",))
     if mode is None:
         return plan
     if mode == "ring" and (why := z_ring_problem(plan.gemm1)) is not None:
@@ -1144,6 +1151,11 @@ WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
 # same process, with the rebuilt column quantizers (bench/NOTES.md v17): forward+backward kimi-k2-fp8 6.37 vs 6.69
 # ms, glm-5-fp8 5.53 vs 5.69, qwen3-30b-a3b-fp8 2.17 vs 2.19; the 300-step training check 0.12% from BF16's loss.
 FP8_WGRAD_DEFAULT = "fp8"
+# ... and their promotion: "overlap" (the next K block's wgmma queued before this block's promotion, two per-block
+# accumulators; the same products in the same order as "serial", so the same bits). Measured on the H200, same
+# process (bench/NOTES.md v19, forward+backward kimi-k2-fp8): 6.33 ms against serial's 6.74, 6.10 with GEMM 1's z
+# ring too. ``wgrad*_promote`` overrides it.
+FP8_WGRAD_PROMOTE = "overlap"
 
 
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
@@ -1427,7 +1439,7 @@ def fp8_wgrad(spec: Spec, arch: Arch, name: str, g: GemmPlan, bm: int) -> GemmPl
                         f"routing tile {bm}")
     w = dataclasses.replace(g, bn=FP8_BN, bk=FP8_BK, elem_bytes=1, stage_scale_bytes=(g.tile_m + FP8_BN) * 4,
                             n_tiles=-(-backward_shape(spec, name)[1] // FP8_BN), epi_n=g.epi_n if FP8_BN % g.epi_n == 0 else EPI_N,
-                            promote="serial")
+                            promote=FP8_WGRAD_PROMOTE)
     return dataclasses.replace(w, stages=_stages_most(arch, w))
 
 

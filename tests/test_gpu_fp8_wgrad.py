@@ -52,7 +52,8 @@ def build_library(out, fp8: bool = True) -> None:
     from mokgen import plan as P
     from mokgen.emit import emit
 
-    pl = _plan() if fp8 else P.solve(_plan().spec, "sm_90a")
+    # the FP8 spec's weight gradients are FP8 by default: the BF16 twins are asked for
+    pl = _plan() if fp8 else P.solve(_plan().spec, "sm_90a", wgrad1_dtype="bf16", wgrad2_dtype="bf16")
     src = emit(pl)
     keep = {f"{k}.py" for k in (KERNELS if fp8 else BF16_KERNELS)}
     build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a", out,
