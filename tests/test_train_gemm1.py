@@ -50,8 +50,11 @@ def test_shapes_without_a_ring_tile_are_unchanged():
     for name in ("qwen3-30b-a3b", "gpt-oss-120b"):    # ping-pong tiles / a 192-wide tile: no z stage fits
         plan = P.solve(load_spec(name), "sm_90a")
         assert plan.backward.gemm1_train is None and plan.gemm1.z_store == "direct"
-    fp8 = P.solve(load_spec("kimi-k2-fp8"), "sm_90a")              # FP8: the ring stays opt-in (not measured)
-    assert fp8.backward.gemm1_train is None and fp8.gemm1.z_store == "direct"
+    # FP8 training: GEMM 1 already reads TMA tiles (quant_rows_gather's rows): one GEMM 1 plan with z through the
+    # ring, no split; "direct" keeps the old path
+    fp8 = P.solve(load_spec("kimi-k2-fp8"), "sm_90a")
+    assert fp8.backward.gemm1_train is None and fp8.gemm1.z_store == "ring" and fp8.gemm1.a_load == "tma"
+    assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_z_store="direct").gemm1.z_store == "direct"
     fused = P.solve(load_spec("kimi-k2"), "sm_90a", schedule="fused")
     assert fused.backward is None or fused.backward.gemm1_train is None
 
