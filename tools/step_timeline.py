@@ -133,14 +133,6 @@ def main(argv=None) -> int:
                 if t is not None:
                     t.grad = None
 
-        def ours():
-            clear()
-            mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], moe=moe).backward(dy)
-
-        def theirs():
-            clear()
-            B.torch_grouped_mm(leaves[0], idx, leaves[1], leaves[2], leaves[3], spec, leaves[4], leaves[5]).backward(dy)
-
         if a.forward:
             def ours():
                 with torch.no_grad():
@@ -149,6 +141,16 @@ def main(argv=None) -> int:
             def theirs():
                 with torch.no_grad():
                     B.torch_grouped_mm(x, idx, tw, w1, w2, spec, b1, b2)
+        else:
+            def ours():
+                clear()
+                mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5],
+                                   moe=moe).backward(dy)
+
+            def theirs():
+                clear()
+                B.torch_grouped_mm(leaves[0], idx, leaves[1], leaves[2], leaves[3], spec, leaves[4],
+                                   leaves[5]).backward(dy)
 
         impls = [("mokgen", ours)] + ([] if a.no_torch else [("torch_grouped_mm", theirs)])
         for impl, fn in impls:
