@@ -773,8 +773,8 @@ def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
     plan (``backward.gemm1_train``), the inference GEMM 1 unchanged. FP8 training plans (GEMM 1's A already by TMA,
     from quant_rows_gather) default to "ring" where the tile takes it: one GEMM 1 plan for both (the inference GEMM
     1 stores no z; its output's bits do not depend on the z path). Measured on the H200, same process
-    (bench/NOTES.md v19, forward+backward kimi-k2-fp8): 6.26 ms with the ring against 6.74 direct, 6.10 with the
-    overlapped wgrad promotion too. "direct" keeps the old path."""
+    (bench/NOTES.md v19, forward+backward kimi-k2-fp8, two rounds each): 6.17 / 6.35 ms with the ring, 6.04 / 6.16
+    with the overlapped wgrad promotion too, against 7.23 / 6.25 direct and serial. "direct" keeps the old path."""
     legal = _SPACE.values("z_store", "gemm1")
     if mode is not None and mode not in legal:
         raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
@@ -1153,8 +1153,9 @@ WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
 FP8_WGRAD_DEFAULT = "fp8"
 # ... and their promotion: "overlap" (the next K block's wgmma queued before this block's promotion, two per-block
 # accumulators; the same products in the same order as "serial", so the same bits). Measured on the H200, same
-# process (bench/NOTES.md v19, forward+backward kimi-k2-fp8): 6.33 ms against serial's 6.74, 6.10 with GEMM 1's z
-# ring too. ``wgrad*_promote`` overrides it.
+# process (bench/NOTES.md v19, forward+backward kimi-k2-fp8, two rounds each): 6.17 / 6.50 ms alone, 6.04 / 6.16
+# with GEMM 1's z ring, against 7.23 / 6.25 serial with z direct (a ~2-3% gain for the pair, not for overlap
+# alone). ``wgrad*_promote`` overrides it.
 FP8_WGRAD_PROMOTE = "overlap"
 
 
