@@ -256,7 +256,9 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
                **_fused_params(plan), profile="fused_profile" in experimental)
         return render.sources()
     training = plan.backward is not None
-    if plan.gemm1.a_load == "tma" or training:  # the backward gathers rows of dO and x with it (and gemm1_train's)
+    # GEMM 1's TMA rows (FP8: quant_rows_gather's instead); the backward gathers rows of dO and x with it (and
+    # gemm1_train's), unless FP8's quantizers gather them all
+    if (plan.gemm1.a_load == "tma" and spec.dtype != "fp8") or (training and kernels.gather_in_training(plan)):
         render.gather()
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))

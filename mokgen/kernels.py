@@ -410,6 +410,20 @@ MX_QUANT_BACKWARD = {"quant_mx_dz": "quant_mx_used", "quant_mx_w2_cols": "quant_
                      "quant_mx_w1_cols": "quant_mx_w_cols"}
 
 
+def gather_in_training(plan: Any) -> bool:
+    """Does the training step of a chain plan launch the ``gather`` kernel? BF16 / MXFP8: yes (the backward's bf16
+    rows of dO and x for the BF16 weight gradients, and gemm1_train's rows where it reads TMA tiles). FP8: only for
+    a BF16 weight gradient or db2 (the bias gradient sums the bf16 dO rows); with both weight gradients in FP8 and
+    no bias, the quantizers gather every row the step needs (quant_*_gather)."""
+    spec = getattr(plan, "spec", None)
+    if getattr(spec, "dtype", "bf16") != "fp8":
+        return True
+    backward = getattr(plan, "backward", None)
+    fp8_wgrads = backward is not None and all(getattr(getattr(backward, n), "elem_bytes", 2) == 1
+                                              for n in ("wgrad1", "wgrad2"))
+    return not fp8_wgrads or bool(getattr(spec, "bias", False))
+
+
 def names(kernel: str) -> tuple[str, ...]:
     """The exported function's positional parameters, in order."""
     return tuple(a.name for a in ARGS[kernel])

@@ -57,6 +57,7 @@ __all__ = [
     "dsl_runtime_hint",
     "kernels_of",
     "uses_gather_kernel",
+    "gather_in_training",
 ]
 
 KERNELS = ("routing", "gemm1", "gemm2", "combine")
@@ -109,6 +110,9 @@ def uses_gather_kernel(plan: Any, training: bool = False) -> bool:
             and not is_mxfp8(plan))   # the FP8 / MXFP8 forwards gather x's rows in their quantizer
 
 
+gather_in_training = kernels.gather_in_training
+
+
 def is_fused(plan: Any) -> bool:
     """True when the plan's schedule is "fused": routing, then one persistent kernel (GEMM 1, GEMM 2, combine)."""
     return getattr(plan, "schedule", "chain") == "fused"
@@ -130,8 +134,8 @@ def kernels_of(plan: Any) -> tuple[str, ...]:
                 + MX_TRAIN_KERNELS
         return KERNELS + MX_KERNELS
     if has_training(plan):
-        return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + fp8 + TRAIN_KERNELS \
-            + (FP8_WGRAD_KERNELS if fp8_wgrads(plan) else ())
+        return ("routing",) + ((GATHER_KERNEL,) if gather_in_training(plan) else ()) + ("gemm1", "gemm2", "combine") \
+            + fp8 + TRAIN_KERNELS + (FP8_WGRAD_KERNELS if fp8_wgrads(plan) else ())
     if fp8:
         return KERNELS + fp8
     return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") if uses_gather_kernel(plan) else KERNELS
@@ -579,7 +583,8 @@ class CompiledMoE:
             raise ValueError(f"functions lacks kernel(s) {missing}")
         # training needs the training kernels (a built entry of a chain plan has them; injected functions may)
         self.fp8_wgrads = fp8_wgrads(plan)
-        train = TRAIN_KERNELS + (GATHER_KERNEL,) + (MX_TRAIN_KERNELS if self.mx else ()) \
+        train = TRAIN_KERNELS + ((GATHER_KERNEL,) if gather_in_training(plan) else ()) \
+            + (MX_TRAIN_KERNELS if self.mx else ()) \
             + (FP8_WGRAD_KERNELS if self.fp8_wgrads else ())
         self.trainable = not self.fused and all(n in functions for n in train)
         self._fns = {n: functions[n] for n in self.kernels + (train if self.trainable else ())}

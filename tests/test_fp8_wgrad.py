@@ -78,6 +78,29 @@ def test_plan_fp8_wgrad_tiles_and_errors():
     assert not {"quant_cols_used", "quant_cols_gather"} & set(kernels_of(base))
 
 
+def test_gather_kernel_only_where_the_step_launches_it():
+    """Both weight gradients FP8 and no bias: the quantizers gather every row the step needs, so the entry has no
+    ``gather`` kernel (emitted, built or required to train); a BF16 weight gradient or a bias (db2 sums the bf16 dO
+    rows) brings it back."""
+    from mokgen.emit import emit
+
+    for spec, kw, want in ((_spec(), {}, False), (_spec(bias=True), {}, True),
+                           (_spec(), dict(wgrad1_dtype="bf16"), True), (_spec(), dict(wgrad2_dtype="bf16"), True),
+                           (_spec(), BF16W, True)):
+        pl = P.solve(spec, **kw)
+        files = {f.removesuffix(".py") for f in emit(pl).files if f.endswith(".py")}
+        assert (GATHER_KERNEL in kernels_of(pl)) == want == (GATHER_KERNEL in files), (spec.bias, kw)
+    pl = P.solve(_spec())
+    fns = {n: f for n, f in R.reference_kernels(_spec(), pl.bm, training=True, fp8_wgrads=("wgrad1", "wgrad2")).items()
+           if n != GATHER_KERNEL}
+    m = CompiledMoE(_spec(), pl, functions=fns, allow_cpu=True)
+    assert m.trainable
+    x, idx, wt, w1, w2, _, _ = _inputs(_spec(), 3)
+    y, saved = m.forward_train(x, idx, wt, w1, w2)
+    g = m.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).bfloat16(), saved, x, wt, w1, w2)
+    assert all(bool(torch.isfinite(t).all()) for t in (g.x, g.w1, g.w2, g.topk_weight))
+
+
 @pytest.mark.parametrize("streams", [1, 2])
 def test_fp8_wgrads_launches_and_gradients(streams):
     """Both weight gradients in FP8: the launches are launch_sequence's; dx and the router gradient are the
