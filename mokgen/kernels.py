@@ -418,10 +418,15 @@ def gather_in_training(plan: Any) -> bool:
     spec = getattr(plan, "spec", None)
     if getattr(spec, "dtype", "bf16") != "fp8":
         return True
+    return len(fp8_wgrads(plan)) < 2 or bool(getattr(spec, "bias", False))
+
+
+def fp8_wgrads(plan: Any) -> tuple[str, ...]:
+    """The weight gradients a plan runs in FP8 (their GemmPlan's e4m3 operands: plan ``wgrad*_dtype=fp8``)."""
     backward = getattr(plan, "backward", None)
-    fp8_wgrads = backward is not None and all(getattr(getattr(backward, n), "elem_bytes", 2) == 1
-                                              for n in ("wgrad1", "wgrad2"))
-    return not fp8_wgrads or bool(getattr(spec, "bias", False))
+    if backward is None or getattr(getattr(plan, "spec", None), "dtype", "bf16") != "fp8":
+        return ()
+    return tuple(n for n in ("wgrad1", "wgrad2") if getattr(getattr(backward, n), "elem_bytes", 2) == 1)
 
 
 def names(kernel: str) -> tuple[str, ...]:

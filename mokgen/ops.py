@@ -450,12 +450,7 @@ FP8_KERNELS = kernels.FP8_LAYER_KERNELS
 FP8_WGRAD_KERNELS = kernels.FP8_WGRAD_KERNELS
 
 
-def fp8_wgrads(plan: Any) -> tuple[str, ...]:
-    """The weight gradients a plan runs in FP8 (their GemmPlan's e4m3 operands: plan ``wgrad*_dtype=fp8``)."""
-    backward = getattr(plan, "backward", None)
-    if backward is None or not is_fp8(plan):
-        return ()
-    return tuple(n for n in ("wgrad1", "wgrad2") if getattr(getattr(backward, n), "elem_bytes", 2) == 1)
+fp8_wgrads = kernels.fp8_wgrads
 
 
 def is_fp8(plan: Any) -> bool:

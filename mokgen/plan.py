@@ -752,7 +752,7 @@ def z_ring_problem(g: GemmPlan) -> str | None:
 
 
 def _train_gemm1(plan: Plan, a_load_given: bool) -> GemmPlan | None:
-    """The BF16 training GEMM 1 with z through the stage ring, or None where it cannot be: A rows by TMA (the
+    """The training GEMM 1 with z through the stage ring, or None where it cannot be: A rows by TMA (the
     gather kernel's rows; unless ``gemm1_a_load`` was given, which then holds for training too), the output through
     the ring. Measured on the H200, same process (bench/NOTES.md v17, forward+backward): glm-5 6.84 vs 7.33 ms,
     dbrx-like 63.39 vs 64.84, kimi-k2 8.40 vs 8.45 against the gather-fed GEMM 1 with z stored by the consumers;
@@ -768,17 +768,17 @@ def _train_gemm1(plan: Plan, a_load_given: bool) -> GemmPlan | None:
 
 
 def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
-    """GEMM 1's z path in training (``gemm1_z_store`` override, checked). BF16 training plans of the chain
+    """GEMM 1's z path in training (``gemm1_z_store`` override, checked). BF16 and FP8 training plans of the chain
     schedule default to "ring" where :func:`_train_gemm1` finds a tile for it: the training GEMM 1 is then its own
-    plan (``backward.gemm1_train``), the inference GEMM 1 unchanged. FP8 training plans (GEMM 1's A already by TMA,
-    from quant_rows_gather) default to "ring" where the tile takes it: one GEMM 1 plan for both (the inference GEMM
-    1 stores no z; its output's bits do not depend on the z path). Measured on the H200, same process
-    (bench/NOTES.md v19, forward+backward kimi-k2-fp8, two rounds each): 6.17 / 6.35 ms with the ring, 6.04 / 6.16
-    with the overlapped wgrad promotion too, against 7.23 / 6.25 direct and serial. "direct" keeps the old path."""
+    plan (``backward.gemm1_train``), the inference GEMM 1 unchanged, or, where GEMM 1 reads A by TMA already (FP8:
+    quant_rows_gather's rows), one GEMM 1 plan for both (the inference GEMM 1 stores no z). FP8 measured on the
+    H200, same process (bench/NOTES.md v19, forward+backward kimi-k2-fp8, two rounds each): 6.17 / 6.35 ms with the
+    ring, 6.04 / 6.16 with the overlapped wgrad promotion too, against 7.23 / 6.25 direct and serial. "direct"
+    keeps the old path."""
     legal = _SPACE.values("z_store", "gemm1")
     if mode is not None and mode not in legal:
         raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
-    split = (plan.backward is not None and plan.schedule == "chain" and plan.spec.dtype == "bf16"
+    split = (plan.backward is not None and plan.schedule == "chain" and plan.spec.dtype in ("bf16", "fp8")
              and mode != "direct")
     if split and (g1t := _train_gemm1(plan, a_load_given)) is not None:
         if g1t == dataclasses.replace(plan.gemm1, z_store="ring"):   # A by TMA already: one GEMM 1 plan
@@ -790,10 +790,6 @@ def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
                 (", A rows by TMA from the gather kernel (inference keeps the fused gather)"
                  if plan.gemm1.a_load != "tma" else ""))
         return dataclasses.replace(plan, notes=plan.notes + (note,))
-    if (mode is None and plan.backward is not None and plan.spec.dtype == "fp8" and plan.gemm1.a_load == "tma"
-            and z_ring_problem(plan.gemm1) is None):
-        return dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, z_store="ring"),
-                                   notes=plan.notes + ("training GEMM 1: z through the stage ring",))
     if mode is None:
         return plan
     if mode == "ring" and (why := z_ring_problem(plan.gemm1)) is not None:

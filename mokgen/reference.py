@@ -909,9 +909,9 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     kernel (GEMM 1 then reads ``xg`` instead of gathering rows of x); ``gather_train``: the same for gemm1_train
     (default ``gather``; a plan whose training GEMM 1 is split off, ``ops.uses_gather_kernel(plan, training=True)``).
     ``fused=True``: the fused schedule's two kernels, ``routing`` (which also zeroes ``sync`` but for its sticky
-    ``sync[2]``) and ``fused`` (GEMM 1, GEMM 2 and combine). A dtype "fp8" / "mxfp8" spec gets its GEMMs under the same names with its argument
-    tables (``gemm*_fp8`` / ``gemm*_mx``: float32 math on the dequantized operands) and its quantizers
-    (:mod:`mokgen.fp8_ops` / :mod:`mokgen.mx_ops`). ``fp8_wgrads``: the weight gradients ("wgrad1", "wgrad2") a
+    ``sync[2]``) and ``fused`` (GEMM 1, GEMM 2 and combine). A dtype "fp8" / "mxfp8" spec gets its GEMMs under the
+    same names with its argument tables (``gemm*_fp8`` / ``gemm*_mx``: float32 math on the dequantized operands)
+    and its quantizers (:mod:`mokgen.fp8_ops` / :mod:`mokgen.mx_ops`). ``fp8_wgrads``: the weight gradients ("wgrad1", "wgrad2") a
     dtype "fp8" plan runs in FP8 (plan ``wgrad*_dtype=fp8``): their ``wgrad*_fp8`` tables, and the column
     quantizers."""
     from .kernels import bind
