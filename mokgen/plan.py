@@ -1235,6 +1235,9 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                             f"is {spec.dtype}")
         return _solve(spec, arch, **overrides)
     a = _fp8_arch(arch)
+    if overrides.get("gemm1_a_load", "tma") != "tma":   # taken by _solve for the BF16 tile, then replaced
+        raise PlanError(f"plan.gemm1_a_load: the FP8 GEMM 1 reads quant_rows_gather's e4m3 rows by TMA (tma), got "
+                        f"{overrides['gemm1_a_load']!r}")
     # dgrad1's z chunk applies to the FP8 dgrad1's tile (fp8_gemm's), not to the BF16 tile it replaces
     z_chunk = overrides.get("dgrad1_z_chunk")
     z_load = overrides.get("dgrad1_z_load")

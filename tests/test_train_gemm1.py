@@ -55,6 +55,9 @@ def test_shapes_without_a_ring_tile_are_unchanged():
     fp8 = P.solve(load_spec("kimi-k2-fp8"), "sm_90a")
     assert fp8.backward.gemm1_train is None and fp8.gemm1.z_store == "ring" and fp8.gemm1.a_load == "tma"
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_z_store="direct").gemm1.z_store == "direct"
+    with pytest.raises(P.PlanError, match=r"^plan\.gemm1_a_load: the FP8 GEMM 1 reads .* got 'gather'$"):
+        P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather")   # refused, not silently ignored
+    assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma").gemm1.a_load == "tma"
     fused = P.solve(load_spec("kimi-k2"), "sm_90a", schedule="fused")
     assert fused.backward is None or fused.backward.gemm1_train is None
 
