@@ -55,6 +55,11 @@ def kernel_class(name: str, impl: str) -> str:
     return "other"
 
 
+def _annotation(e: Any) -> bool:
+    """A profiler range on the GPU timeline that is not a kernel (e.g. ``Optimizer.step#AdamW.step``)."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith(("Optimizer.", "ProfilerStep"))
+
+
 def _capture_routing(model: torch.nn.Module) -> tuple[dict[str, Any], Any]:
     """A forward pre-hook on the first MoE layer's experts module keeping its last call's inputs."""
     experts = model.model.layers[0].mlp.experts
@@ -125,15 +130,18 @@ def profile_impl(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Te
                 train_step(data[(n_warm + i) % len(data)])
             torch.cuda.synchronize(device)
         evs = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")
-               and e.time_range.end > e.time_range.start]
+               and e.time_range.end > e.time_range.start and not _annotation(e)]
         evs.sort(key=lambda e: e.time_range.start)
         start, end = evs[0].time_range.start, evs[-1].time_range.end
         by_class = dict.fromkeys(CLASSES, 0.0)
         by_name: dict[str, float] = {}
-        busy, last = 0.0, start
+        busy, last, prev, gaps = 0.0, start, "", []
         for e in evs:
             s, t = e.time_range.start, e.time_range.end
             d = t - s
+            if s > last:
+                gaps.append((s - last, (last - start) * 1e-3, prev[:40], e.name[:40]))
+            prev = e.name if t >= last else prev
             by_class[kernel_class(e.name, impl)] += d
             key = e.name[:60]
             by_name[key] = by_name.get(key, 0.0) + d
@@ -142,7 +150,11 @@ def profile_impl(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Te
         ms = 1e-3 / n_prof
         rec.update(wall_ms=(end - start) * ms, busy_ms=busy * ms, idle_ms=(end - start - busy) * ms,
                    class_ms={k: v * ms for k, v in by_class.items()},
-                   top_kernels=[(k, v * ms) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]])
+                   top_kernels=[(k, v * ms) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]],
+                   # the largest idle gaps over the recorded steps: (us, ms from the first kernel, before, after)
+                   largest_gaps=[(round(g, 1), round(at, 3), a_, b_) for g, at, a_, b_ in sorted(gaps)[::-1][:12]],
+                   gaps_over_50us=dict(count=sum(1 for g in gaps if g[0] > 50) / n_prof,
+                                       ms=sum(g[0] for g in gaps if g[0] > 50) * ms))
     handle.remove()
     hs, idx, w = box["inputs"]
     rec["routing"] = routing_stats(idx, a.experts)
@@ -153,7 +165,7 @@ def profile_impl(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Te
     rec["layer_fb_ms"] = dict(model_routing=_layer_fb_ms(experts, hs, idx, w, device),
                               uniform_routing=_layer_fb_ms(experts, hs, uni, w, device))
     rec["routing_uniform"] = routing_stats(uni, a.experts)
-    del model, opt
+    model = opt = None   # dropped before the next implementation is built
     BF._free(device)
     return rec
 
@@ -178,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     impls = BF.parse_impls(a.impls, ["grouped_mm", "mokgen"], "model_profile")
     if device is None or impls is None:
         return 2
-    if "mokgen" in impls and device.type == "cpu":
-        import mokgen.integrations.transformers as mt
+    if "mokgen" in impls:
+        import mokgen.integrations.transformers as mt   # importing it registers the "mokgen" experts backend
 
-        mt.set_compiler(mt.reference_compiler())
+        if device.type == "cpu":
+            mt.set_compiler(mt.reference_compiler())
     cfg = BM.model_config(a)
     a_data = argparse.Namespace(**{**vars(a), "steps": a.warm_steps + a.steps})
     data = BM.batches(a_data, device)
@@ -202,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':11s} step wall {rec['wall_ms']:.2f} ms busy {rec['busy_ms']:.2f} idle {rec['idle_ms']:.2f}; {cls}")
             for name, ms in rec["top_kernels"][:10]:
                 print(f"{'':13s}{ms:8.3f} ms  {name}")
+            go = rec["gaps_over_50us"]
+            print(f"{'':11s} gaps > 50 us per step: {go['count']:.1f}, {go['ms']:.2f} ms; largest (us, at ms, between):")
+            for g in rec["largest_gaps"][:8]:
+                print(f"{'':13s}{g}")
     if a.json and a.json != "-":
         with open(a.json, "a") as f:
             for rec in recs:
