@@ -14,7 +14,8 @@ grouped_mm backend cannot be told apart from the rest of the model by name, so o
 
 The routing the model's router produces (its first MoE layer, last profiled step): rows per expert (max / mean,
 the coefficient of variation) against the uniform routing that ``bench_backward`` uses. Then the first MoE layer's
-experts module alone, forward + backward (``triton.testing.do_bench``, a fixed random output gradient), on the
+experts module alone, forward + backward (``triton.testing.do_bench``, a fixed random output gradient; gradients
+for x and the expert weights, none for the captured routing weights, for both backends alike), on the
 model's routing and on uniform random routing with the same T and top-k: what a skewed router costs each backend.
 
 One JSON line per implementation (``--json``; ``-`` or omitted: none). ``--dry-run``: CPU, bench_model's tiny dims,
