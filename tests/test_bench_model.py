@@ -1,5 +1,6 @@
 """tools/bench_model.py on the CPU: the dry run (a tiny Qwen3-MoE-shaped model, mokgen's backend on its
-reference kernels and transformers' grouped_mm, a few AdamW steps) and its records."""
+reference kernels and transformers' grouped_mm, a few AdamW steps) and its records; tools/model_profile.py (the
+same model taken apart): its dry run, routing statistics and kernel classes."""
 
 import json
 import math
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -15,6 +17,7 @@ if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
 
 import bench_model as BM  # noqa: E402
+import model_profile as MP  # noqa: E402
 
 import mokgen.integrations.transformers as mt  # noqa: E402
 
@@ -62,3 +65,32 @@ def test_dry_run_writes_nothing_by_default(tmp_path, monkeypatch):
 def test_bad_arguments():
     assert BM.main(["--dry-run", "--impls", "nope"]) == 2
     assert BM.main(["--dry-run", "--steps", "0"]) == 2
+
+
+def test_profile_dry_run_records(tmp_path):
+    out = tmp_path / "prof.jsonl"
+    assert MP.main(["--dry-run", "--warm-steps", "1", "--steps", "1", "--json", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["impl"] for r in recs] == ["grouped_mm", "mokgen"]
+    for r in recs:
+        st = r["routing"]
+        # the dry run's model: 2 x 64 tokens, top-2 of 8 experts
+        assert st["rows_mean"] == pytest.approx(2 * 64 * 2 / 8)
+        assert st["rows_min"] <= st["rows_mean"] <= st["rows_max"]
+        assert r["routing_uniform"]["rows_mean"] == pytest.approx(st["rows_mean"])
+        assert set(r["layer_fb_ms"]) == {"model_routing", "uniform_routing"}
+    # the same seed, data and router: both backends saw the same routing
+    assert recs[0]["routing"] == recs[1]["routing"]
+
+
+def test_profile_routing_stats_and_classes():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    st = MP.routing_stats(idx, 4)
+    assert (st["rows_max"], st["rows_min"], st["experts_empty"]) == (3.0, 0.0, 1)
+    assert st["max_over_mean"] == pytest.approx(3 / 1.5)
+    assert MP.kernel_class("kernel_cutlass_kernel_tensorptrbf16", "mokgen") == "experts"
+    assert MP.kernel_class("void at::native::grouped_gemm_kernel", "grouped_mm") == "experts"
+    assert MP.kernel_class("void at::native::grouped_gemm_kernel", "mokgen") == "gemm"
+    assert MP.kernel_class("void multi_tensor_apply_kernel<FusedAdam>", "mokgen") == "optimizer"
+    assert MP.kernel_class("flash_fwd_kernel", "grouped_mm") == "attention"
+    assert MP.kernel_class("void at::native::vectorized_elementwise_kernel", "mokgen") == "other"

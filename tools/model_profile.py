@@ -19,7 +19,7 @@ for x and the expert weights, none for the captured routing weights, for both ba
 model's routing and on uniform random routing with the same T and top-k: what a skewed router costs each backend.
 
 One JSON line per implementation (``--json``; ``-`` or omitted: none). ``--dry-run``: CPU, bench_model's tiny dims,
-mokgen on its reference kernels, no profiler classes (keeps the script from rotting; tests/test_model_profile.py).
+mokgen on its reference kernels, no profiler classes (keeps the script from rotting; tests/test_bench_model.py).
 """
 from __future__ import annotations
 
