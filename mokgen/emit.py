@@ -258,7 +258,7 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     training = plan.backward is not None
     # GEMM 1's TMA rows (FP8: quant_rows_gather's instead); the backward gathers rows of dO and x with it (and
     # gemm1_train's), unless FP8's quantizers gather them all
-    if (plan.gemm1.a_load == "tma" and spec.dtype != "fp8") or (training and kernels.gather_in_training(plan)):
+    if kernels.uses_gather_kernel(plan) or (training and kernels.gather_in_training(plan)):
         render.gather()
     render("sm90/grouped_gemm.py.j2", "gemm1",
            f"GEMM 1 of {spec.name}: gathered token rows x W1 (gate, up), SwiGLU epilogue -> h", **_gemm_params(plan, 1))

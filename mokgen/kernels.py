@@ -410,6 +410,15 @@ MX_QUANT_BACKWARD = {"quant_mx_dz": "quant_mx_used", "quant_mx_w2_cols": "quant_
                      "quant_mx_w1_cols": "quant_mx_w_cols"}
 
 
+def uses_gather_kernel(plan: Any, training: bool = False) -> bool:
+    """True when the plan's GEMM 1 (``training``: gemm1_train, :attr:`mokgen.plan.Plan.train_gemm1`) reads
+    pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel, instead of gathering rows of x itself
+    (a_load "gather"). The FP8 / MXFP8 forwards gather x's rows in their quantizer."""
+    g = getattr(plan, "train_gemm1" if training else "gemm1", None)
+    dtype = getattr(getattr(plan, "spec", None), "dtype", "bf16")
+    return getattr(g, "a_load", "gather") == "tma" and dtype not in ("fp8", "mxfp8")
+
+
 def gather_in_training(plan: Any) -> bool:
     """Does the training step of a chain plan launch the ``gather`` kernel? BF16 / MXFP8: yes (the backward's bf16
     rows of dO and x for the BF16 weight gradients, and gemm1_train's rows where it reads TMA tiles). FP8: only for

@@ -101,15 +101,7 @@ def cap_rows(tokens: int, topk: int, shared: int, groups: int, bm: int) -> int:
     return (raw + bm - 1) // bm * bm
 
 
-def uses_gather_kernel(plan: Any, training: bool = False) -> bool:
-    """True when the plan's GEMM 1 (``training``: gemm1_train, :attr:`mokgen.plan.Plan.train_gemm1`) reads
-    pre-gathered rows ``xg`` (a_load "tma") written by a ``gather`` kernel, instead of gathering rows of x itself
-    (a_load "gather")."""
-    g = getattr(plan, "train_gemm1" if training else "gemm1", None)
-    return (getattr(g, "a_load", "gather") == "tma" and not is_fp8(plan)
-            and not is_mxfp8(plan))   # the FP8 / MXFP8 forwards gather x's rows in their quantizer
-
-
+uses_gather_kernel = kernels.uses_gather_kernel
 gather_in_training = kernels.gather_in_training
 
 
