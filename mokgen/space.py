@@ -116,10 +116,9 @@ SM90 = ArchSpace(
              doc="the backward's launch streams: 2 runs the weight gradients (and the x-row gather) on a second "
                  "stream beside dgrad2 and the combine, filling each kernel's last wave (one more [rows, hidden] "
                  "bf16 buffer); same kernels, same bits"),
-        Knob("z_load", ("dgrad1",), ("tma", "direct", "prefetch"), search=("tma", "direct", "prefetch"),
-             doc="dgrad1's z: through the stage ring by TMA (dz stored from there), global loads by the consumer "
-                 "threads, or global loads of z the tile prefetched into L2 as its mainloop started; derived: tma "
-                 "where a W stage holds a whole z stage (cooperative 128-row tiles)"),
+        Knob("z_load", ("dgrad1",), ("tma", "direct"), search=("tma", "direct"),
+             doc="dgrad1's z: through the stage ring by TMA (dz stored from there) or global loads by the consumer "
+                 "threads; derived: tma where a W stage holds a whole z stage (cooperative 128-row tiles)"),
         Knob("z_store", ("gemm1",), ("ring", "direct"), search=("ring", "direct"),
              doc="GEMM 1 of a training step: z through the stage ring beside the output (TMA-stored by the storer "
                  "warp; needs epi_store ring) or 4-byte global stores by the consumer threads"),
