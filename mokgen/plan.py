@@ -90,6 +90,16 @@ GATHER_MIN_GROUP_ROWS = 1024
 # spread; dbrx-like (2048 rows), glm-5 and qwen3.5-397b-a17b 4-14% slower (the ring loses a stage). So the
 # whole-tile staging is used where the routed groups average at most WGRAD_TILE_EPI_MAX_ROWS rows.
 WGRAD_TILE_EPI_MAX_ROWS = 192
+# The Hopper BF16 wgrads' output path. Since v12 the default is the stage ring (_with_epi_store): a tile's output
+# goes to a storer warp through E_STAGES ring stages, which, where a tile has no more K steps than the ring has
+# stages, are the next tile's prefetch. Measured on the H100 (bench/NOTES.md v21, bench_backward, one call each,
+# 3-4 interleaved rounds): qwen3-30b-a3b (256 rows per expert, 4 K steps) f+b 3.017 vs 3.111 and 2.943 vs
+# 3.070 ms with the whole tile buffered in shared memory (WGRAD_TILE_EPI, 3 stages) instead of the ring;
+# gpt-oss-120b (128 rows) 11.17 vs 11.12 and 11.60 vs 11.50 (within the spread); kimi-k2, glm-5 and
+# deepseek-v4-pro (2000+ rows) within 0.6% either way. So the BF16 wgrads of specs whose routed groups average
+# more than WGRAD_TILE_EPI_MAX_ROWS and at most WGRAD_SMEM_EPI_MAX_ROWS rows (4 K steps of 64) store through
+# the whole-tile buffers (epi_store "smem"); the others keep the ring.
+WGRAD_SMEM_EPI_MAX_ROWS = 256
 WGRAD_TILE_EPI = dict(epi_n=64, epi_stages=4)
 A_LOADS = _SPACE.values("a_load", "gemm1")
 OVERRIDES = _override_keys("sm_90a")  # every knob's keys (mokgen.space)
@@ -382,6 +392,14 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     if k is not None and bm < BM:
         g = _with_consumer(arch, g, "pingpong")
     return _with_epi_store(g)
+
+
+def _wgrad_smem_epi(spec: Spec, g: GemmPlan) -> bool:
+    """Whether wgrad `g` of a BF16 spec stores its output through whole-tile smem buffers by default
+    (WGRAD_SMEM_EPI_MAX_ROWS) rather than through the stage ring (FP8 specs' wgrads keep theirs: not measured)."""
+    return (spec.dtype == "bf16" and g.elem_bytes == ELEM_BYTES and g.bn % WGRAD_TILE_EPI["epi_n"] == 0
+            and WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts < spec.routed_rows
+            <= WGRAD_SMEM_EPI_MAX_ROWS * spec.local_experts)
 
 
 def backward_plan(spec: Spec, arch: Arch, bm: int) -> BackwardPlan:
@@ -876,6 +894,9 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
         key = next((k for k in (f"{name}_epi_store", "epi_store") if k in overrides), None)
         if key is None:
             gemms[name] = _with_epi_store(g, parts, chain=plan.schedule == "chain" or not forward)
+            if name.startswith("wgrad") and _wgrad_smem_epi(plan.spec, g):   # short groups: the whole tile buffered
+                g = dataclasses.replace(g, epi_store="smem", **WGRAD_TILE_EPI)
+                gemms[name] = dataclasses.replace(g, stages=_stages_most(get_arch(plan.arch), g))
             continue
         mode = overrides[key]
         if mode not in legal:

@@ -240,3 +240,28 @@ def test_l2_hint_and_raster_overrides():
     for g in ("gemm1", "gemm2"):
         del d[g]["w_hint"], d[g]["a_hint"]
     assert Plan.from_dict(d) == base
+
+
+def test_wgrad_output_path_by_group_rows():
+    """The BF16 weight gradients of BF16 specs buffer their whole tile's output in shared memory (WGRAD_TILE_EPI,
+    epi_store "smem", as many stages as then fit) where the routed groups average more than
+    WGRAD_TILE_EPI_MAX_ROWS and at most WGRAD_SMEM_EPI_MAX_ROWS rows, and store through the stage ring otherwise;
+    FP8 specs and explicit overrides are not touched by the rule."""
+    import mokgen.plan as P
+
+    seen = set()
+    for preset in list_presets():
+        spec = load_spec(preset.name)
+        plan = P.solve(spec, "sm_90a")
+        rows = spec.routed_rows / spec.local_experts
+        for g in (plan.backward.wgrad1, plan.backward.wgrad2):
+            if spec.dtype == "bf16" and P.WGRAD_TILE_EPI_MAX_ROWS < rows <= P.WGRAD_SMEM_EPI_MAX_ROWS:
+                assert (g.epi_store, g.epi_n, g.epi_stages) == ("smem", 64, 4), preset.name
+                assert g.stages == P._stages_most(P.get_arch("sm_90a"), g), preset.name
+                seen.add("smem")
+            else:
+                assert g.epi_store == "ring", preset.name
+                seen.add("ring")
+    assert seen == {"smem", "ring"}   # both sides of the rule are exercised by the presets
+    ring = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring").backward
+    assert (ring.wgrad1.epi_store, ring.wgrad2.epi_store) == ("ring", "smem")
