@@ -391,15 +391,22 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
     if k is not None and bm < BM:
         g = _with_consumer(arch, g, "pingpong")
-    return _with_epi_store(g)
+    g = _with_epi_store(g)
+    return _wgrad_output(spec, arch, g) if k is None else g
 
 
-def _wgrad_smem_epi(spec: Spec, g: GemmPlan) -> bool:
-    """Whether wgrad `g` of a BF16 spec stores its output through whole-tile smem buffers by default
-    (WGRAD_SMEM_EPI_MAX_ROWS) rather than through the stage ring (FP8 specs' wgrads keep theirs: not measured)."""
-    return (spec.dtype == "bf16" and g.elem_bytes == ELEM_BYTES and g.bn % WGRAD_TILE_EPI["epi_n"] == 0
-            and WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts < spec.routed_rows
-            <= WGRAD_SMEM_EPI_MAX_ROWS * spec.local_experts)
+def _wgrad_output(spec: Spec, arch: Arch, g: GemmPlan) -> GemmPlan:
+    """Wgrad `g` with its default output path: whole-tile smem buffers (WGRAD_TILE_EPI, as many stages as then fit)
+    for the BF16 wgrads of Hopper BF16 specs whose routed groups average more than WGRAD_TILE_EPI_MAX_ROWS and at
+    most WGRAD_SMEM_EPI_MAX_ROWS rows (WGRAD_SMEM_EPI_MAX_ROWS), else `g` as it is (the stage ring where the tile
+    allows: _with_epi_store). FP8 specs' and sm_100a's wgrads keep theirs (not measured)."""
+    rows_ok = (WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts < spec.routed_rows
+               <= WGRAD_SMEM_EPI_MAX_ROWS * spec.local_experts)
+    if (spec.dtype != "bf16" or arch.has_tcgen05 or g.elem_bytes != ELEM_BYTES or not rows_ok
+            or g.bn % WGRAD_TILE_EPI["epi_n"]):
+        return g
+    g = dataclasses.replace(g, epi_store="smem", **WGRAD_TILE_EPI)
+    return dataclasses.replace(g, stages=_stages_most(arch, g))
 
 
 def backward_plan(spec: Spec, arch: Arch, bm: int) -> BackwardPlan:
@@ -894,9 +901,8 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
         key = next((k for k in (f"{name}_epi_store", "epi_store") if k in overrides), None)
         if key is None:
             gemms[name] = _with_epi_store(g, parts, chain=plan.schedule == "chain" or not forward)
-            if name.startswith("wgrad") and _wgrad_smem_epi(plan.spec, g):   # short groups: the whole tile buffered
-                g = dataclasses.replace(g, epi_store="smem", **WGRAD_TILE_EPI)
-                gemms[name] = dataclasses.replace(g, stages=_stages_most(get_arch(plan.arch), g))
+            if name.startswith("wgrad"):
+                gemms[name] = _wgrad_output(plan.spec, get_arch(plan.arch), gemms[name])
             continue
         mode = overrides[key]
         if mode not in legal:
