@@ -355,9 +355,13 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
         if g.promote not in ("serial", "stagger", "overlap"):
             raise EmitError(f"{what}.promote: the FP8 weight gradients promote serial, stagger or overlap, got "
                             f"{g.promote!r}")
-        if g.bk != 128 or plan.bm % g.bk or g.bn != 128:
-            raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 with 128-row K steps that divide the routing "
-                            f"tile (got bn {g.bn}, bk {g.bk}, routing tile {plan.bm})")
+        if g.bk != 128 or plan.bm % g.bk or g.bn != 128 * g.mma_split or g.mma_split not in (1, 2):
+            raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 (or 128 x 256 in two wgmma halves, mma_split 2) "
+                            f"with 128-row K steps that divide the routing tile (got bn {g.bn}, mma_split "
+                            f"{g.mma_split}, bk {g.bk}, routing tile {plan.bm})")
+        if g.mma_split == 2 and g.promote != "serial":
+            raise EmitError(f"{what}.promote: the 128 x 256 FP8 wgrad promotes its halves in turn (serial), got "
+                            f"{g.promote!r}")
     if not accumulate:
         _check_smem(plan, g.smem_bytes(), f"{what}: {g.stages} stages")
     epi_ring, epi_w = _epi_ring(g, 1, what) if not accumulate else (False, 0)
@@ -365,7 +369,8 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
     return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
                 stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
                 accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
-                epi_ring=epi_ring, epi_w=epi_w, fp8=fp8, promote=g.promote if fp8 else "serial", **_table(table))
+                epi_ring=epi_ring, epi_w=epi_w, fp8=fp8, promote=g.promote if fp8 else "serial",
+                mma_split=g.mma_split if fp8 else 1, **_table(table))
 
 
 def _epi_ring(g: Any, parts: int, what: str) -> tuple[bool, int]:

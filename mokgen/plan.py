@@ -1190,15 +1190,21 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 and overrides.get(f"{n}_bn", FP8_BN) == FP8_BN}
     wgrad_dtypes.update({k: FP8_WGRAD_DEFAULT for k in defaults})
     wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
-    # an FP8 weight gradient's tile is fp8_wgrad's (128 x 128, K step 128): its stages apply to that tile
-    fp8_stages = {}
+    # an FP8 weight gradient's tile is fp8_wgrad's (128 x 128, K step 128; with an explicit ``wgrad*_dtype=fp8``,
+    # ``wgrad*_bn=256`` asks for fp8_wgrad_wide's 128 x 256): its stages apply to that tile
+    fp8_stages, fp8_wide = {}, []
     for key, value in wgrad_dtypes.items():
         name = key.removesuffix("_dtype")
         if value != "fp8":
             continue
-        if f"{name}_bn" in overrides and overrides[f"{name}_bn"] != FP8_BN:
-            raise PlanError(f"plan.{name}_bn: FP8 weight gradients run 128 x 128 tiles ({key}=fp8), got "
-                            f"{overrides[f'{name}_bn']}")
+        if f"{name}_bn" in overrides:
+            bn = _int_override(f"{name}_bn", overrides[f"{name}_bn"])
+            if bn not in FP8_BNS:
+                raise PlanError(f"plan.{name}_bn: FP8 weight gradients run 128 x 128 or 128 x 256 tiles ({key}=fp8), "
+                                f"got {bn}")
+            if bn == 2 * FP8_BN:
+                fp8_wide.append(name)
+                overrides.pop(f"{name}_bn")
         if f"{name}_stages" in overrides:
             fp8_stages[name] = overrides.pop(f"{name}_stages")
     plan = _solve_dtype_gemms(spec, arch, **overrides)
@@ -1206,6 +1212,11 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         wgrad_dtypes = {k: v for k, v in wgrad_dtypes.items() if k not in defaults}
         fp8_stages = {k: v for k, v in fp8_stages.items() if f"{k}_dtype" not in defaults}
     plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes, defaults)
+    for name in fp8_wide:
+        if plan.backward is None:
+            raise PlanError(f"plan.{name}_bn: this plan has no backward kernels")
+        plan = dataclasses.replace(plan, backward=dataclasses.replace(
+            plan.backward, **{name: fp8_wgrad_wide(spec, _fp8_arch(arch), name, getattr(plan.backward, name))}))
     for name, value in fp8_stages.items():
         g = getattr(plan.backward, name)
         stages, most = _int_override(f"{name}_stages", value), _stages_most(get_arch(arch), g)
@@ -1222,6 +1233,9 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         g = plan.backward and getattr(plan.backward, name)
         if g is None or g.elem_bytes != 1:
             raise PlanError(f"plan.{key}: the promotion applies to FP8 weight gradients ({name}_dtype=fp8)")
+        if g.mma_split == 2 and value != "serial":
+            raise PlanError(f"plan.{key}: the 128 x 256 FP8 {name} promotes its two halves in turn (serial), got "
+                            f"{value!r}")
         plan = dataclasses.replace(plan, backward=dataclasses.replace(
             plan.backward, **{name: dataclasses.replace(g, promote=value)}))
     return plan
@@ -1468,6 +1482,22 @@ def fp8_wgrad(spec: Spec, arch: Arch, name: str, g: GemmPlan, bm: int) -> GemmPl
                             n_tiles=-(-backward_shape(spec, name)[1] // FP8_BN), epi_n=g.epi_n if FP8_BN % g.epi_n == 0 else EPI_N,
                             promote=FP8_WGRAD_PROMOTE)
     return dataclasses.replace(w, stages=_stages_most(arch, w))
+
+
+def fp8_wgrad_wide(spec: Spec, arch: Arch, name: str, g: GemmPlan) -> GemmPlan:
+    """FP8 weight gradient `g` (fp8_wgrad's 128 x 128 tile) with 128 x 256 tiles (``wgrad*_dtype=fp8,
+    wgrad*_bn=256``): the wgmma runs per 128-column half into the half-width per-block accumulator, each half
+    promoted per element as soon as its wgmma retires (templates/sm90/_blocks.py.j2 mainloop_fp8_wgrad_split), so
+    the registers hold the 128 x 256 fp32 tile (128 per thread) and one half (64). Per K block a CTA loads (128 +
+    256) x 128 operand bytes and the K block's 128 + 256 column scales for 2 x 128 x 256 x 128 flops: a quarter
+    fewer operand bytes per flop than 128 x 128, against the L2 load that bounds the FP8 GEMMs on the H100
+    (bench/NOTES.md v21). Promotion serial (the two warpgroups fill each other's gaps); as many stages as fit;
+    the output path as g's (the ring where the tile takes it)."""
+    bn = 2 * FP8_BN
+    w = dataclasses.replace(g, bn=bn, mma_split=2, promote="serial", stage_scale_bytes=(g.tile_m + bn) * 4,
+                            n_tiles=-(-backward_shape(spec, name)[1] // bn))
+    w = dataclasses.replace(w, stages=_stages_most(arch, w))
+    return _with_epi_store(w) if g.epi_store == "ring" else w
 
 
 def _fp8_fill_stages(arch: Arch, g: GemmPlan) -> GemmPlan:
@@ -1861,7 +1891,8 @@ def _explain_backward(plan: Plan) -> list[str]:
         shape = f"N = {n}, K = {k}" if k is not None else f"M = {m}, N = {n} per group, K = the group's rows"
         if g.elem_bytes == 1 and name.startswith("wgrad"):
             form = (f"FP8 e4m3, both operands per 128 x 1 tile along the rows (transposed by quant_cols* / "
-                    f"quant_both*), each K block promoted per element ({g.promote})")
+                    f"quant_both*), each K block promoted per element ({g.promote}"
+                    + (", the tile's two 128-column halves in turn: mma_split 2" if g.mma_split == 2 else "") + ")")
         elif g.elem_bytes == 1:
             form = f"FP8 e4m3 (A per 1x128, W per 128x128), promotion {g.promote}"
         else:

@@ -261,6 +261,57 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
     adv = build.ptxas_report(art)
     if adv is not None:
         assert not any(adv.values()), {k: v for k, v in adv.items() if v}
+    # the 128 x 256 form (wgrad*_bn=256): 128-column wgmma halves, per K block 2 x 4 of them, both waited (0)
+    wide = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", wgrad1_dtype="fp8", wgrad1_bn=256, wgrad2_dtype="fp8",
+                   wgrad2_bn=256)
+    src = emit(wide)
+    keep = {f"{k}.py" for k in ("wgrad1", "wgrad2_acc")}
+    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
+                      tmp_path / "wide", progress=False)
+    for k in ("wgrad1", "wgrad2_acc"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        assert set(re.findall(r"wgmma\.mma_async\.\S+", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}, k
+        assert ptx.count("wgmma.mma_async") == 8 and not re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx), k
+        assert ptx.count("cp.async.bulk.tensor") >= 4, k
+    adv = build.ptxas_report(art)
+    if adv is not None:
+        assert not any(adv.values()), {k: v for k, v in adv.items() if v}
+
+
+def test_plan_fp8_wgrad_wide():
+    """``wgrad*_dtype=fp8, wgrad*_bn=256``: 128 x 256 FP8 weight-gradient tiles (plan.fp8_wgrad_wide): two wgmma
+    halves (mma_split 2) promoted in turn (serial), the stage's scales of 128 + 256 columns, N tiles recounted, as
+    many stages as fit; ``wgrad*_bn=256`` without the dtype keeps meaning a BF16 weight gradient; other tile
+    widths and other promotions are one-line errors."""
+    spec = _spec()
+    base = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8")
+    wide = P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=256, wgrad2_dtype="fp8", wgrad2_bn=256)
+    a = P.get_arch("sm_90a")
+    for name in ("wgrad1", "wgrad2"):
+        g, b = getattr(wide.backward, name), getattr(base.backward, name)
+        n = P.backward_shape(spec, name)[1]
+        assert (g.bn, g.mma_split, g.promote, g.bk, g.elem_bytes) == (256, 2, "serial", 128, 1)
+        assert g.stage_scale_bytes == (128 + 256) * 4 and g.n_tiles == -(-n // 256)
+        assert g.stages == P._stages_most(a, g) >= 3 and g.smem_bytes() <= a.smem_per_cta
+        assert (g.epi_store, g.raster_group) == (b.epi_store, b.raster_group)
+    assert wide.backward.dgrad1 == base.backward.dgrad1 and wide.backward.dgrad2 == base.backward.dgrad2
+    assert P.solve(spec, wgrad1_bn=256).backward.wgrad1.elem_bytes == 2   # the BF16 meaning of wgrad1_bn=256
+    assert P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=128).backward.wgrad1 == base.backward.wgrad1
+    for kw, msg in ((dict(wgrad1_dtype="fp8", wgrad1_bn=192),
+                     r"^plan\.wgrad1_bn: FP8 weight gradients run 128 x 128 or 128 x 256 tiles \(wgrad1_dtype=fp8\), "
+                     r"got 192$"),
+                    (dict(wgrad2_dtype="fp8", wgrad2_bn=256, wgrad2_promote="overlap"),
+                     r"^plan\.wgrad2_promote: the 128 x 256 FP8 wgrad2 promotes its two halves in turn \(serial\), "
+                     r"got 'overlap'$")):
+        with pytest.raises(P.PlanError, match=msg):
+            P.solve(spec, **kw)
+    from mokgen.emit import emit
+
+    files = emit(wide).files
+    for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc"):
+        src = files[f"{k}.py"]
+        assert "MMA_SPLIT = 2" in src and "BN = 256" in src and "mma_half" in src and "tCrB_h" in src, k
+    assert "MMA_SPLIT = 1" in emit(base).files["wgrad1.py"]
 
 
 def test_explain_shows_the_backward_choices():

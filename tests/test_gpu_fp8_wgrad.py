@@ -1,5 +1,6 @@
 """The FP8 weight-gradient kernels on a GPU (H200, sm_90a), alone: templates/sm90/wgrad.py.j2's FP8 form and the
-column quantizers, built for a small fp8 spec whose weight gradients are FP8 (wgrad1 overlapped, wgrad2 staggered),
+column quantizers, built for a small fp8 spec whose weight gradients are FP8 (128 x 128 tiles with wgrad1
+overlapped and wgrad2 staggered, and 128 x 256 tiles promoted per half: VARIANTS),
 fed operands the GPU's quant_cols_used wrote from random bf16 rows (no zeros), against
 mokgen.reference.ref_wgrad_fp8 (the same per-128-row-block promotion, each block's e4m3 products summed exactly)
 and against the float64 product of the dequantized operands.
@@ -28,23 +29,28 @@ H, I, E = 384, 320, 4
 GROUP_ROWS = (0, 128, 384, 1152)
 
 
-def _plan():
+# The kernel forms under test: "tile128" = 128 x 128 tiles, wgrad1 overlapping its promotion (chains of 4 blocks:
+# the 9-block group runs 4 + 4 + 1, the 3-block one 2 + 1), wgrad2 staggering it (serial is the default of the
+# layer suites); "wide" = 128 x 256 tiles in two wgmma halves promoted in turn (plan.fp8_wgrad_wide: the last N
+# tile of dW1-like is half, of dW2-like a quarter, inside the tile's bounds)
+VARIANTS = {"tile128": dict(wgrad1_promote="overlap", wgrad2_promote="stagger"),
+            "wide": dict(wgrad1_bn=256, wgrad2_bn=256)}
+
+
+def _plan(variant: str = "tile128"):
     from mokgen import plan as P
     from mokgen.spec import load_spec
 
     spec = load_spec({"name": "fp8-wgrad-test", "hidden": H, "ffn": I, "experts": E, "topk": 2, "tokens": 1024,
                       "dtype": "fp8"})
-    # wgrad1 overlaps its promotion (chains of 4 blocks: the 9-block group runs 4 + 4 + 1, the 3-block one 2 + 1),
-    # wgrad2 staggers it; serial is the default of the layer suites
-    return P.solve(spec, "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8", wgrad1_promote="overlap",
-                   wgrad2_promote="stagger")
+    return P.solve(spec, "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8", **VARIANTS[variant])
 
 
 KERNELS = ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc", "quant_cols_used")
 BF16_KERNELS = ("wgrad1", "wgrad2")
 
 
-def build_library(out, fp8: bool = True) -> None:
+def build_library(out, fp8: bool = True, variant: str = "tile128") -> None:
     """Emit and build the kernels this test loads (fp8=False: the BF16 plan's weight gradients, for the timing)."""
     import dataclasses
 
@@ -53,20 +59,21 @@ def build_library(out, fp8: bool = True) -> None:
     from mokgen.emit import emit
 
     # the FP8 spec's weight gradients are FP8 by default: the BF16 twins are asked for
-    pl = _plan() if fp8 else P.solve(_plan().spec, "sm_90a", wgrad1_dtype="bf16", wgrad2_dtype="bf16")
+    pl = _plan(variant) if fp8 else P.solve(_plan().spec, "sm_90a", wgrad1_dtype="bf16", wgrad2_dtype="bf16")
     src = emit(pl)
     keep = {f"{k}.py" for k in (KERNELS if fp8 else BF16_KERNELS)}
     build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a", out,
                 progress=False)
 
 
-@pytest.fixture(scope="module")
-def fns(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def fns(request, tmp_path_factory):
     from mokgen.ops import load_library
 
-    out = os.environ.get("MOKGEN_FP8_WGRAD_LIB") or tmp_path_factory.mktemp("fp8wgrad")
-    if not os.environ.get("MOKGEN_FP8_WGRAD_LIB"):
-        build_library(out)
+    prebuilt = os.environ.get("MOKGEN_FP8_WGRAD_LIB") if request.param == "tile128" else None
+    out = prebuilt or tmp_path_factory.mktemp(f"fp8wgrad-{request.param}")
+    if not prebuilt:
+        build_library(out, variant=request.param)
     return load_library(out, KERNELS)
 
 
