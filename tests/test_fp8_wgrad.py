@@ -305,8 +305,14 @@ def test_plan_fp8_wgrad_wide():
                      r"got 'overlap'$")):
         with pytest.raises(P.PlanError, match=msg):
             P.solve(spec, **kw)
+    from mokgen import configs
     from mokgen.emit import emit
 
+    assert configs.check_plan(wide) == [] and configs.check_config(spec, "sm_90a", dict(wgrad1_dtype="fp8", wgrad1_bn=256)) == []
+    assert configs.check_config(spec, "sm_90a", dict(wgrad1_dtype="fp8", wgrad1_bn=192)) == [
+        "wgrad1_bn: FP8 weight gradients run 128 x 128 or 128 x 256 tiles"]
+    assert configs.check_config(spec, "sm_90a", dict(wgrad2_dtype="fp8", wgrad2_bn=256, wgrad2_promote="stagger")) == [
+        "wgrad2_promote: the 128 x 256 FP8 weight gradient promotes its halves in turn (serial)"]
     files = emit(wide).files
     for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc"):
         src = files[f"{k}.py"]
