@@ -391,20 +391,24 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
     if k is not None and bm < BM:
         g = _with_consumer(arch, g, "pingpong")
-    g = _with_epi_store(g)
-    return _wgrad_output(spec, arch, g) if k is None else g
+    return _wgrad_output(spec, arch, g) if k is None else _with_epi_store(g)
+
+
+def _wgrad_smem_rows(spec: Spec, arch: Arch, g: GemmPlan) -> bool:
+    """Whether wgrad `g` stores its output through whole-tile smem buffers by default (WGRAD_SMEM_EPI_MAX_ROWS): a
+    BF16 wgrad of a Hopper BF16 spec whose routed groups average more than WGRAD_TILE_EPI_MAX_ROWS and at most
+    WGRAD_SMEM_EPI_MAX_ROWS rows. FP8 specs' and sm_100a's wgrads keep theirs (not measured)."""
+    return (spec.dtype == "bf16" and not arch.has_tcgen05 and g.elem_bytes == ELEM_BYTES
+            and g.bn % WGRAD_TILE_EPI["epi_n"] == 0
+            and WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts < spec.routed_rows
+            <= WGRAD_SMEM_EPI_MAX_ROWS * spec.local_experts)
 
 
 def _wgrad_output(spec: Spec, arch: Arch, g: GemmPlan) -> GemmPlan:
     """Wgrad `g` with its default output path: whole-tile smem buffers (WGRAD_TILE_EPI, as many stages as then fit)
-    for the BF16 wgrads of Hopper BF16 specs whose routed groups average more than WGRAD_TILE_EPI_MAX_ROWS and at
-    most WGRAD_SMEM_EPI_MAX_ROWS rows (WGRAD_SMEM_EPI_MAX_ROWS), else `g` as it is (the stage ring where the tile
-    allows: _with_epi_store). FP8 specs' and sm_100a's wgrads keep theirs (not measured)."""
-    rows_ok = (WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts < spec.routed_rows
-               <= WGRAD_SMEM_EPI_MAX_ROWS * spec.local_experts)
-    if (spec.dtype != "bf16" or arch.has_tcgen05 or g.elem_bytes != ELEM_BYTES or not rows_ok
-            or g.bn % WGRAD_TILE_EPI["epi_n"]):
-        return g
+    where _wgrad_smem_rows, else the stage ring where the tile allows (_with_epi_store)."""
+    if not _wgrad_smem_rows(spec, arch, g):
+        return _with_epi_store(g)
     g = dataclasses.replace(g, epi_store="smem", **WGRAD_TILE_EPI)
     return dataclasses.replace(g, stages=_stages_most(arch, g))
 
@@ -900,9 +904,11 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
         why, _ = epi_ring_problem(g, parts)
         key = next((k for k in (f"{name}_epi_store", "epi_store") if k in overrides), None)
         if key is None:
-            gemms[name] = _with_epi_store(g, parts, chain=plan.schedule == "chain" or not forward)
-            if name.startswith("wgrad"):
-                gemms[name] = _wgrad_output(plan.spec, get_arch(plan.arch), gemms[name])
+            if name.startswith("wgrad") and _wgrad_smem_rows(plan.spec, get_arch(plan.arch), g):
+                # the backward plan's default (_wgrad_output); its buffers and stages as they stand (overrides kept)
+                gemms[name] = dataclasses.replace(g, epi_store="smem")
+            else:
+                gemms[name] = _with_epi_store(g, parts, chain=plan.schedule == "chain" or not forward)
             continue
         mode = overrides[key]
         if mode not in legal:

@@ -265,3 +265,5 @@ def test_wgrad_output_path_by_group_rows():
     assert seen == {"smem", "ring"}   # both sides of the rule are exercised by the presets
     ring = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring").backward
     assert (ring.wgrad1.epi_store, ring.wgrad2.epi_store) == ("ring", "smem")
+    kept = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_n=32, wgrad2_epi_stages=2).backward
+    assert (kept.wgrad1.epi_store, kept.wgrad1.epi_n, kept.wgrad2.epi_stages) == ("smem", 32, 2)   # overrides kept
