@@ -368,10 +368,13 @@ def _stages_most(arch: Arch, g: GemmPlan) -> int:
                                                            + g.stage_scale_bytes))
 
 
-def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = None) -> GemmPlan:
+def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = None,
+                   ring: bool = False) -> GemmPlan:
     """Cooperative 128-row tiles; by default the widest tile N that divides N and fits (dgrad1's dSwiGLU epilogue
     needs whole tiles of I: it reads z and writes dz per column); `bn` (an override, checked by the caller with
-    :func:`_backward_bn_problem`) replaces it, and the stages, raster and z chunk follow from it by the same rules."""
+    :func:`_backward_bn_problem`) replaces it, and the stages, raster and z chunk follow from it by the same rules.
+    A wgrad's output path is :func:`_wgrad_output`'s, or with `ring` (an explicit ``epi_store`` ring) the ring's
+    own staging and stages wherever the tile allows it."""
     m, n, k = backward_shape(spec, name)
     if bn is None:
         bn = next(b for b in BWD_BN_CHOICES if n % b == 0 and _gemm_problem(spec, arch, 2, b) is None)
@@ -391,7 +394,7 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
     if k is not None and bm < BM:
         g = _with_consumer(arch, g, "pingpong")
-    return _wgrad_output(spec, arch, g) if k is None else _with_epi_store(g)
+    return _wgrad_output(spec, arch, g) if k is None and not ring else _with_epi_store(g)
 
 
 def _wgrad_smem_rows(spec: Spec, arch: Arch, g: GemmPlan) -> bool:
@@ -891,10 +894,14 @@ def _with_epi_store(g: GemmPlan, parts: int = 1, chain: bool = True) -> GemmPlan
     return dataclasses.replace(g, epi_store="ring" if chain and epi_ring_problem(g, parts)[0] is None else "smem")
 
 
-def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
+def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any], given: Iterable[str] = ()) -> Plan:
     """Every GEMM's output path: ``<kernel>_epi_store`` / ``epi_store`` overrides where given (checked), else the
     default (:func:`_with_epi_store`; the backward GEMMs are their own launches whatever the forward schedule),
-    re-derived here because overrides of other knobs (consumer, tile N, cluster) change what the tile allows."""
+    re-derived here because overrides of other knobs (consumer, tile N, cluster) change what the tile allows.
+    A ring asked for on a wgrad whose default is the whole-tile buffers (:func:`_wgrad_smem_rows`) gets the
+    ring's own staging (epi_n, epi_stages) and stages, as on the shapes whose default is the ring, except those
+    of them named in `given` (the other overrides of the solve)."""
+    given = set(given)
     legal = _SPACE.values("epi_store", "gemm2")
     gemms = {"gemm1": plan.gemm1, "gemm2": plan.gemm2}
     if plan.backward is not None:
@@ -919,6 +926,11 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any]) -> Plan:
             if key != "epi_store":   # the shared key asks for it where it fits
                 raise PlanError(f"plan.{key}: ring {why}")
             mode = "smem"
+        if mode == "ring" and name.startswith("wgrad") and _wgrad_smem_rows(plan.spec, get_arch(plan.arch), g):
+            own = _backward_gemm(plan.spec, get_arch(plan.arch), name, plan.bm, g.bn, ring=True)
+            g = dataclasses.replace(g, **{f: getattr(own, f) for f in ("epi_n", "epi_stages", "stages")
+                                          if f"{name}_{f}" not in given})
+            g = dataclasses.replace(g, stages=min(g.stages, _stages_most(get_arch(plan.arch), g)))
         gemms[name] = dataclasses.replace(g, epi_store=mode)
     backward = plan.backward and dataclasses.replace(plan.backward, **{n: gemms[n] for n in BACKWARD_GEMMS})
     return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
@@ -936,7 +948,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         return _tcgen05_form(spec, arch, overrides)
     streams = overrides.get("bwd_streams")
     rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store")}
-    plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi)
+    plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi, given=rest)
     plan = _settle_z_store(plan, overrides.get("gemm1_z_store"), "gemm1_a_load" in overrides)
     return _settle_streams(plan, streams)
 

@@ -265,5 +265,14 @@ def test_wgrad_output_path_by_group_rows():
     assert seen == {"smem", "ring"}   # both sides of the rule are exercised by the presets
     ring = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring").backward
     assert (ring.wgrad1.epi_store, ring.wgrad2.epi_store) == ("ring", "smem")
+    # the ring asked for on a rule shape is the ring of the shapes whose default it is (its own staging and
+    # stages: the pre-rule default, bench/NOTES.md v21), not the ring squeezed beside the whole-tile buffers
+    old = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring", wgrad1_epi_n=32,
+                  wgrad1_epi_stages=2, wgrad1_stages=4).backward.wgrad1
+    assert ring.wgrad1 == old and (old.epi_n, old.epi_stages, old.stages) == (32, 2, 4)
+    assert P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", epi_store="ring").backward.wgrad2.stages == 4
+    mine = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring", wgrad1_stages=3,
+                   wgrad1_epi_n=64).backward.wgrad1   # the ones named keep their values
+    assert (mine.epi_store, mine.stages, mine.epi_n, mine.epi_stages) == ("ring", 3, 64, 2)
     kept = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_n=32, wgrad2_epi_stages=2).backward
     assert (kept.wgrad1.epi_store, kept.wgrad1.epi_n, kept.wgrad2.epi_stages) == ("smem", 32, 2)   # overrides kept
