@@ -5,7 +5,6 @@ left unwritten (it must fail, naming that output). The GPU suite runs the same p
 (``test_gpu_backward.py::test_checks_catch_a_perturbed_kernel``)."""
 
 import pytest
-import torch
 
 import test_gpu_backward as gb
 import test_gpu_forward as gf

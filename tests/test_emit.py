@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -194,7 +193,7 @@ def test_variants_compile(tmp_path):
     plan = solve(spec, "sm_90a", epi_n=64, epi_stages=4)
     assert plan.gemm1.epi_n == plan.gemm2.epi_n == 64 and plan.gemm1.stages < solve(spec, "sm_90a").gemm1.stages
     src = emit(plan)
-    assert all(f"EPI_N = 64" in src.files[f"{k}.py"] and "EPI_STAGES = 4" in src.files[f"{k}.py"]
+    assert all("EPI_N = 64" in src.files[f"{k}.py"] and "EPI_STAGES = 4" in src.files[f"{k}.py"]
                for k in ("gemm1", "gemm2"))
     art = _compile_all(src, tmp_path / "epi")
     assert "wgmma.mma_async" in (Path(art.dir) / "gemm2.ptx").read_text()

@@ -156,7 +156,7 @@ def test_explain(name, arch):
     text = explain(plan)
     for word in ("waves", "smem", "chunk", "stages", "cap_rows", "raster", "registers", "top candidates"):
         assert word in text
-    assert f"chunk_rows = 128 * ceil(" in text and str(plan.chunk_rows) in text
+    assert "chunk_rows = 128 * ceil(" in text and str(plan.chunk_rows) in text
     assert f"bn1={plan.gemm1.bn}/bn2={plan.gemm2.bn}" in text
 
 

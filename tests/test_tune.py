@@ -356,7 +356,7 @@ def _train_moe(spec, plan):
 
 def test_tune_train_picks_the_measured_winner_stores_it_and_compile_applies_it(
         mokgen_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys):
-    from mokgen import reference, tune
+    from mokgen import tune
     from mokgen.emit import template_hash
 
     spec = load_spec(TINY)
