@@ -241,16 +241,10 @@ class _Progress:
             self.bar.stop()
 
 
-def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DEFAULT_BUDGET_MIN,
-         top: int = DEFAULT_TOP, rounds: int = 5, workers: int | None = None,
-         compiler: Callable[[Candidate], Any] | None = None, timer: Any = None,
-         inputs: Callable[[int], Any] | None = None, verifier: Callable[[Candidate, int, Any], dict] | None = None,
-         gpu: str | None = None, tools: Mapping[str, str] | None = None, template_hash: str | None = None,
-         records: Sequence[C.Record] | None = None, save: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Tune ``spec`` at ``tokens`` within ``budget_min`` minutes; returns the result record (what ``--json``
-    writes) with the tuning database path under ``"record"``. The GPU steps default to the real ones."""
-    t_start = time.monotonic()
-    deadline = t_start + 60 * budget_min
+def _session(tokens: Sequence[int], gpu: str | None, tools: Mapping[str, str] | None,
+             template_hash: str | None) -> tuple[list[int], str, dict[str, str], str]:
+    """What a tuning run keys its record by, checked: the sorted distinct token counts, the GPU's name (the
+    visible one unless given), the toolchain and the template hash."""
     tokens = sorted({int(t) for t in tokens})
     if not tokens or tokens[0] < 1:
         raise TuneError(f"--tokens: positive token counts needed, got {tokens}")
@@ -263,6 +257,20 @@ def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DE
         from .emit import template_hash as th
 
         template_hash = th()
+    return tokens, gpu, tools, template_hash
+
+
+def tune(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: float = DEFAULT_BUDGET_MIN,
+         top: int = DEFAULT_TOP, rounds: int = 5, workers: int | None = None,
+         compiler: Callable[[Candidate], Any] | None = None, timer: Any = None,
+         inputs: Callable[[int], Any] | None = None, verifier: Callable[[Candidate, int, Any], dict] | None = None,
+         gpu: str | None = None, tools: Mapping[str, str] | None = None, template_hash: str | None = None,
+         records: Sequence[C.Record] | None = None, save: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Tune ``spec`` at ``tokens`` within ``budget_min`` minutes; returns the result record (what ``--json``
+    writes) with the tuning database path under ``"record"``. The GPU steps default to the real ones."""
+    t_start = time.monotonic()
+    deadline = t_start + 60 * budget_min
+    tokens, gpu, tools, template_hash = _session(tokens, gpu, tools, template_hash)
     if compiler is None:
         _import_dsl_once()
         compiler = lambda c: compile_candidate(spec, arch, c.plan)  # noqa: E731
@@ -483,18 +491,7 @@ def tune_train(spec: Spec, arch: str, tokens: Sequence[int], *, budget_min: floa
     applies it with the forward's pieces. The GPU steps default to the real ones (tests pass fakes)."""
     t_start = time.monotonic()
     deadline = t_start + 60 * budget_min
-    tokens = sorted({int(t) for t in tokens})
-    if not tokens or tokens[0] < 1:
-        raise TuneError(f"--tokens: positive token counts needed, got {tokens}")
-    if gpu is None:
-        gpu = tunedb.gpu_name()
-        if gpu is None:
-            raise TuneError("tune times kernels on a GPU and none is visible (torch.cuda.is_available() is False)")
-    tools = dict(tools if tools is not None else tunedb.toolchain())
-    if template_hash is None:
-        from .emit import template_hash as th
-
-        template_hash = th()
+    tokens, gpu, tools, template_hash = _session(tokens, gpu, tools, template_hash)
     if compiler is None:
         _import_dsl_once()
 
