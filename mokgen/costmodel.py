@@ -246,6 +246,32 @@ def _plan_view(d: Mapping[str, Any]) -> Any:
     return P.Plan.from_dict(d)
 
 
+def _ridge_nonneg(Ar: Any, target: Any, prior: Any, ridge: float) -> Any:
+    """theta >= 0 minimising |Ar theta - target|^2 + ridge |(theta - prior) / max(|prior|, 1)|^2 over the columns
+    of ``Ar`` that are not all zero (the others keep their prior): least squares, then every coefficient that came
+    out negative is fixed at 0 and the rest solved again. ``Ar`` holds each record's terms over its time, so
+    ``target`` is 1 (or 1 minus the record's fixed share) and the residuals are relative errors."""
+    import numpy as np
+
+    theta = prior.copy()
+    free = [j for j in range(Ar.shape[1]) if np.any(Ar[:, j] != 0)]
+    scale = np.maximum(np.abs(prior), 1.0)
+    for _ in range(Ar.shape[1]):
+        fixed = [j for j in range(Ar.shape[1]) if j not in free]
+        rhs = target - Ar[:, fixed] @ theta[fixed]
+        M = np.vstack([Ar[:, free], math.sqrt(ridge) * np.diag(1 / scale[free])])
+        b = np.concatenate([rhs, math.sqrt(ridge) * prior[free] / scale[free]])
+        sol, *_ = np.linalg.lstsq(M, b, rcond=None)
+        theta[free] = sol
+        neg = [j for j, v in zip(free, sol) if v < 0]
+        if not neg:
+            break
+        for j in neg:
+            theta[j] = 0.0
+            free.remove(j)
+    return theta
+
+
 def fit(records: Sequence[Record], priors: Mapping[str, float] = PRIORS, ridge: float = RIDGE) -> Fit:
     """Least squares on relative residuals, ridge toward ``priors``; the coefficients are kept >= 0 (a term
     that fits negative is clamped to 0 and the rest refitted)."""
@@ -265,30 +291,14 @@ def fit(records: Sequence[Record], priors: Mapping[str, float] = PRIORS, ridge: 
     A = np.array(rows)
     y = np.array(ys)
     Ar = A / y[:, None]
-    used = [j for j, t in enumerate(TERMS) if np.any(A[:, j] != 0)]
-    scale = np.maximum(np.abs(prior), 1.0)
-    free = list(used)
-    theta = prior.copy()
-    for _ in range(len(TERMS)):
-        fixed = [j for j in range(len(TERMS)) if j not in free]
-        rhs = np.ones(len(y)) - Ar[:, fixed] @ theta[fixed]
-        M = np.vstack([Ar[:, free], math.sqrt(ridge) * np.diag(1 / scale[free])])
-        b = np.concatenate([rhs, math.sqrt(ridge) * prior[free] / scale[free]])
-        sol, *_ = np.linalg.lstsq(M, b, rcond=None)
-        theta[free] = sol
-        neg = [j for j, v in zip(free, sol) if v < 0]
-        if not neg:
-            break
-        for j in neg:
-            theta[j] = 0.0
-            free.remove(j)
+    theta = _ridge_nonneg(Ar, np.ones(len(y)), prior, ridge)
     pred = A @ theta
     rel = pred / y - 1
     prel = (A @ prior) / y - 1
     inputs = [{"source": r.source, "spec": r.spec.get("name"), "T": r.tokens, "overrides": r.overrides,
                "ms": r.ms, "fitted_ms": round(float(p), 4)} for r, p in zip(info, pred)]
     return Fit({t: round(float(v), 6) for t, v in zip(TERMS, theta)}, dict(priors), inputs,
-               [TERMS[j] for j in used], float(np.sqrt(np.mean(rel ** 2))), float(np.sqrt(np.mean(prel ** 2))))
+               [t for j, t in enumerate(TERMS) if np.any(A[:, j] != 0)], float(np.sqrt(np.mean(rel ** 2))), float(np.sqrt(np.mean(prel ** 2))))
 
 
 # ---- crossovers and the piecewise plan ----------------------------------------------------------------------
@@ -584,21 +594,7 @@ def fit_fp8(records: Sequence[Record], prior: float = FP8_PRIOR_EFF, ridge: floa
     if rows:
         A, rest, y = np.array(rows), np.array(rests), np.array(ys)
         Ar = A / y[:, None]
-        free = [j for j in range(len(terms)) if np.any(A[:, j] != 0)]
-        scale = np.maximum(np.abs(pri), 1.0)
-        for _ in range(len(terms)):
-            fixed = [j for j in range(len(terms)) if j not in free]
-            rhs = 1 - rest / y - Ar[:, fixed] @ theta[fixed]
-            M = np.vstack([Ar[:, free], math.sqrt(ridge) * np.diag(1 / scale[free])])
-            b = np.concatenate([rhs, math.sqrt(ridge) * pri[free] / scale[free]])
-            sol, *_ = np.linalg.lstsq(M, b, rcond=None)
-            theta[free] = sol
-            neg = [j for j, v in zip(free, sol) if v < 0]
-            if not neg:
-                break
-            for j in neg:
-                theta[j] = 0.0
-                free.remove(j)
+        theta = _ridge_nonneg(Ar, 1 - rest / y, pri, ridge)
     eff = {k: float(1 / theta[j]) for j, k in enumerate(FP8_FIT_KEYS)}
     eff[(1, "stagger")], eff[(2, "stagger")] = eff[(1, "serial")], eff[(2, "serial")]
     out: dict[str, Any] = {"eff": eff, **{t: float(theta[len(FP8_FIT_KEYS) + i]) for i, t in enumerate(FP8_EXTRA)},
