@@ -28,14 +28,14 @@ def restore_backend():
     mt.set_compiler(old)
     yield
     mt.set_compiler(old)
-    mt.configure(tokens=opts.tokens)
+    mt.configure(tokens=opts.tokens, dtype=opts.dtype)
 
 
 def test_dry_run_writes_records(tmp_path):
     out = tmp_path / "model.json"
     assert BM.main(["--dry-run", "--out", str(out), "--rounds", "2", "--steps", "5"]) == 0
     recs = json.loads(out.read_text())
-    assert [r["impl"] for r in recs] == ["no_experts", "grouped_mm", "mokgen"]   # liger needs CUDA
+    assert [r["impl"] for r in recs] == ["no_experts", "grouped_mm", "mokgen", "mokgen_fp8"]   # liger needs CUDA
     ref, recs = recs[0], recs[1:]
     assert ref["speedup_vs_grouped_mm"] is None and ref["experts_ms"] is None and "error" not in ref
     for r in recs:
@@ -48,8 +48,13 @@ def test_dry_run_writes_records(tmp_path):
         assert all(math.isfinite(v) for v in r["losses"])
         assert r["tokens_per_s"] == pytest.approx(r["dims"]["tokens_per_step"] / (r["median_ms"] * 1e-3))
         assert r["versions"]["transformers"]
-    gmm, mok = recs
+    gmm, mok, fp8 = recs
     assert gmm["speedup_vs_grouped_mm"] == pytest.approx(1.0)
+    # FP8 experts: the same initial weights, a loss curve within FP8's error of BF16's, its ratio to mokgen BF16
+    assert fp8["init_checksum"] == gmm["init_checksum"] and fp8["losses"] != mok["losses"]
+    assert fp8["loss_max_rel_diff_vs_grouped_mm"] < 1e-1
+    assert fp8["speedup_vs_mokgen"] == pytest.approx(mok["median_ms"] / fp8["median_ms"])
+    assert mok["speedup_vs_mokgen"] is None and gmm["speedup_vs_mokgen"] is None
     assert mok["speedup_vs_grouped_mm"] == pytest.approx(gmm["median_ms"] / mok["median_ms"])
     assert mok["init_checksum"] == gmm["init_checksum"]        # the same initial weights
     assert mok["losses"][0] == pytest.approx(gmm["losses"][0], rel=1e-2)

@@ -103,6 +103,19 @@ def test_one_compile_per_expert_shape():
     """Every family above went through at most two specs (concat SwiGLU, GPT-OSS), each compiled once."""
     H.check_sentinel(FAMILIES[0], DEV)
     names = sorted(s.name for s in mt._COMPILED)
-    assert set(names) <= {"hf-h256-i128-e8-k2", "hf-h256-i128-e8-k2-oai"}, names
+    assert set(names) <= {"hf-h256-i128-e8-k2", "hf-h256-i128-e8-k2-oai", "hf-h256-i128-e8-k2-fp8",
+                          "hf-h256-i128-e8-k2-oai-fp8"}, names
     for moe in mt._COMPILED.values():
         assert moe.arch is not None and moe.entry_dir is not None   # a real cache entry, not the reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_experts(family):
+    """configure(dtype="fp8"): the model trains through mokgen's FP8 kernels (hf_models.check_fp8: logits and the
+    experts' gradients within FP8's tolerance of float32, further than BF16, the same bits on a rerun)."""
+    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        print(family, H.check_fp8(family, DEV))
+    finally:
+        torch.use_deterministic_algorithms(old[0], warn_only=old[1])

@@ -43,7 +43,8 @@ def reference_kernels():
     old = mt.set_compiler(mt.reference_compiler())
     opts = mt.options()
     yield
-    mt.configure(tokens=opts.tokens, masked=opts.masked, relayout=opts.relayout, overrides=opts.overrides or {})
+    mt.configure(tokens=opts.tokens, masked=opts.masked, relayout=opts.relayout, overrides=opts.overrides or {},
+                 dtype=opts.dtype)
     mt.set_compiler(old)
 
 
@@ -195,6 +196,37 @@ def test_spec_under_expert_parallelism():
     mod.num_experts = 3
     with pytest.raises(mt.UnsupportedExperts, match="num_experts=3 but the weights hold 2"):
         mt.derive_spec(mod, 2)
+
+
+def test_dtype_option():
+    """configure(dtype=...): the experts' precision is the spec's dtype (its name says it, so BF16 and FP8 are
+    two cache entries), a change drops the compiled kernels, a bad value is one line; mxfp8 is sm_100a's (and
+    needs dims that are multiples of 128: the tiny model's 64 is refused naming the module)."""
+    counting = CountingCompiler()
+    mt.set_compiler(counting)
+    m = H.build("qwen3_moe", dtype=torch.bfloat16, experts_implementation="mokgen", **SMALL)
+    ids = H.tokens(128, 2, 8)
+    with torch.no_grad():
+        m(ids)
+        mt.configure(dtype="fp8")
+        m(ids)
+        m(ids)
+    assert [(s.name, s.dtype, s.archs) for s in counting.specs] == [
+        ("hf-h64-i64-e8-k2", "bf16", ("sm_90a",)), ("hf-h64-i64-e8-k2-fp8", "fp8", ("sm_90a",))]
+    assert mt.derive_spec(first_experts(H.build("gpt_oss", **SMALL))).name == "hf-h64-i64-e8-k2-oai-fp8"
+    with pytest.raises(ValueError, match="dtype must be one of bf16, fp8, mxfp8, got 'fp16'"):
+        mt.configure(dtype="fp16")
+    assert mt.options().dtype == "fp8"
+    big = mt.spec_for(mt.layout_of(first_experts(m)), 256, 128, 8, 2, dtype="mxfp8")
+    assert (big.name, big.dtype, big.archs) == ("hf-h256-i128-e8-k2-mxfp8", "mxfp8", ("sm_100a",))
+    mt.configure(dtype="mxfp8")
+    with pytest.raises(mt.UnsupportedExperts, match=r"Qwen3MoeExperts.*dtype mxfp8 needs a multiple of 128"):
+        mt.derive_spec(first_experts(m))
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_model_fp8(family):
+    print(family, H.check_fp8(family, "cpu"))
 
 
 # ---- the weights stay the model's ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Liger-Kernel's qwen3_moe patch, in one process.
 
     python tools/bench_model.py [--steps 100] [--warmup-steps 10] [--batch 4] [--seq 1024] [--layers 4]
                                 [--hidden 2048] [--experts 128] [--topk 8] [--moe-intermediate 768] [--vocab 8192]
-                                [--impls mokgen,grouped_mm,liger] [--liger-full] [--liger-autotune] [--rounds 1]
+                                [--impls mokgen,mokgen_fp8,grouped_mm,liger] [--liger-full] [--liger-autotune] [--rounds 1]
                                 [--out bench/results/model-h200.json] [--dry-run]
 
 The model: ``Qwen3MoeForCausalLM`` from ``Qwen3MoeConfig`` with qwen3-30b-a3b's layer shape (hidden 2048, 128
@@ -18,6 +18,9 @@ step: LM loss (labels = inputs), ``loss.backward()``, ``AdamW.step()`` (lr ``--l
 ``zero_grad(set_to_none=True)``.
 
 Implementations: ``mokgen`` (``model.set_experts_implementation("mokgen")``: mokgen.integrations.transformers),
+``mokgen_fp8`` (the same backend with ``configure(dtype="fp8")``: the experts' GEMMs in Hopper's blockwise FP8,
+the model's parameters bf16 master weights; its loss curve against grouped_mm's says whether FP8 training
+tracks BF16 on this model, and ``speedup_vs_mokgen`` is mokgen BF16's median_ms over its own),
 ``grouped_mm`` (transformers' default experts backend), ``liger`` (``apply_liger_kernel_to_qwen3_moe(model=...,
 swiglu=True)``: Liger's ``LigerExperts`` with its fused Triton MoE; rope / rms_norm / fused linear cross entropy
 left off so that only the experts differ, unless ``--liger-full``; ``LIGER_FUSED_MOE_AUTOTUNE=0`` unless
@@ -74,11 +77,13 @@ import bench_forward as BF  # noqa: E402  (puts the repository root on sys.path 
 import torch  # noqa: E402
 
 DEFAULT_OUT = "bench/results/model-h200.json"
-IMPLS = ["no_experts", "grouped_mm", "mokgen", "liger"]   # the run order: liger last (its patch replaces a class)
+IMPLS = ["no_experts", "grouped_mm", "mokgen", "mokgen_fp8", "liger"]   # the run order: liger last (its patch
+#                                                                         replaces a class)
+MOKGEN_DTYPES = {"mokgen": "bf16", "mokgen_fp8": "fp8"}   # the backend's configure(dtype=...) per implementation
 RECORD_FIELDS = ["gpu", "date", "versions", "shape", "dims", "impl", "median_ms", "tokens_per_s",
                  "speedup_vs_grouped_mm", "speedup_vs_liger", "losses", "final_loss",
                  "loss_max_rel_diff_vs_grouped_mm", "step_ms", "round_ms", "steps", "warmup_steps", "peak_mem_mb",
-                 "init_checksum", "optimizer", "timing", "experts_ms", "experts_share"]
+                 "init_checksum", "optimizer", "timing", "experts_ms", "experts_share", "speedup_vs_mokgen"]
 DRY = dict(hidden=256, layers=2, experts=8, topk=2, moe_intermediate=128, vocab=512, batch=2, seq=64, steps=4,
            warmup_steps=1)
 PERIOD = 64   # the synthetic sequences repeat a random segment of this many tokens
@@ -111,7 +116,7 @@ def build_model(cfg: Any, device: torch.device, seed: int, impl: str) -> torch.n
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
-    backend = "grouped_mm" if impl in ("liger", "no_experts") else impl
+    backend = "grouped_mm" if impl in ("liger", "no_experts") else "mokgen" if impl in MOKGEN_DTYPES else impl
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, experts_implementation=backend)
     if impl == "no_experts":
@@ -189,10 +194,11 @@ def train(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Tensor], 
     res: dict[str, Any] = {"init_checksum": checksum(model)}
     if impl == "liger":
         apply_liger(model, liger_full)
-    elif impl == "mokgen":
+    elif impl in MOKGEN_DTYPES:
         import mokgen.integrations.transformers as mt
 
-        mt.configure(tokens=a.batch * a.seq)   # plan for this step's T (any T would run)
+        # plan for this step's T (any T would run); the experts' precision of this implementation
+        mt.configure(tokens=a.batch * a.seq, dtype=MOKGEN_DTYPES[impl])
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             **({"fused": True} if fused else {}))
@@ -227,7 +233,7 @@ def train(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Tensor], 
         res["step_ms"] = wall
         res["peak_mem_mb"] = None
     res["losses"] = [float(v) for v in torch.stack(losses).float().cpu()]
-    if impl == "mokgen":
+    if impl in MOKGEN_DTYPES:
         import mokgen.integrations.transformers as mt
 
         mt.check_errors()   # a routing error flagged during the run voids it
@@ -298,6 +304,7 @@ def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict
         rec.update(median_ms=ms, tokens_per_s=a.batch * a.seq / (ms * 1e-3),
                    speedup_vs_grouped_mm=(med["grouped_mm"] / ms) if med.get("grouped_mm") else None,
                    speedup_vs_liger=(med["liger"] / ms) if med.get("liger") else None,
+                   speedup_vs_mokgen=(med["mokgen"] / ms) if med.get("mokgen") and impl == "mokgen_fp8" else None,
                    losses=losses, final_loss=losses[-1], loss_max_rel_diff_vs_grouped_mm=diff,
                    step_ms=first["step_ms"], round_ms=[rr["median_ms"] for rr in r["rounds"]],
                    peak_mem_mb=first["peak_mem_mb"], init_checksum=first["init_checksum"],
@@ -315,7 +322,7 @@ def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict
 
 
 def print_table(recs: list[dict[str, Any]], title: str) -> None:
-    header = ["shape", "impl", "ms/step", "tokens/s", "vs grouped_mm", "vs liger", "experts ms (share)",
+    header = ["shape", "impl", "ms/step", "tokens/s", "vs grouped_mm", "vs liger", "vs mokgen", "experts ms (share)",
               "loss first->last", "max loss diff", "peak MiB"]
     rows = []
     for r in recs:
@@ -325,6 +332,7 @@ def print_table(recs: list[dict[str, Any]], title: str) -> None:
         rows.append([r["shape"], r["impl"], f"{r['median_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
                      "-" if r["speedup_vs_grouped_mm"] is None else f"{r['speedup_vs_grouped_mm']:.2f}x",
                      "-" if r["speedup_vs_liger"] is None else f"{r['speedup_vs_liger']:.2f}x",
+                     "-" if r.get("speedup_vs_mokgen") is None else f"{r['speedup_vs_mokgen']:.2f}x",
                      "-" if r.get("experts_ms") is None else f"{r['experts_ms']:.2f} ({r['experts_share']:.0%})",
                      f"{r['losses'][0]:.3f} -> {r['final_loss']:.3f}",
                      "-" if r["loss_max_rel_diff_vs_grouped_mm"] is None
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     versions = BF.collect_versions()
     versions["transformers"] = transformers.__version__
-    if "mokgen" in impls:
+    if any(i in MOKGEN_DTYPES for i in impls):
         import mokgen.integrations.transformers as mt
 
         if device.type == "cpu":

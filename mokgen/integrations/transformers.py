@@ -89,7 +89,7 @@ import torch
 
 from .. import ops
 from .common import CompiledSpecs, reference_compiler, restore_forward
-from ..spec import Spec, SpecError
+from ..spec import DTYPES, Spec, SpecError
 
 __all__ = [
     "KEY",
@@ -147,6 +147,7 @@ class Options:
     masked: bool = True                       # ids >= num_experts are masked slots (transformers' EP sentinel)
     relayout: bool = True                     # transposed layouts: relayout the storage once, not a copy per call
     overrides: Mapping[str, Any] | None = None   # plan overrides for mokgen.compile (e.g. {"gemm1_bn": 128})
+    dtype: str = "bf16"                       # the experts' GEMM precision: "bf16", "fp8" (Hopper), "mxfp8" (sm_100a)
 
 
 _OPTIONS = Options()
@@ -159,9 +160,12 @@ def options() -> Options:
 
 
 def configure(*, tokens: int | None = None, masked: bool | None = None, relayout: bool | None = None,
-              overrides: Mapping[str, Any] | None = None) -> Options:
-    """Change the backend's settings (those given); returns the previous ones. A new ``tokens`` or
-    ``overrides`` means other specs or plans: modules derive their specs again on their next call."""
+              overrides: Mapping[str, Any] | None = None, dtype: str | None = None) -> Options:
+    """Change the backend's settings (those given); returns the previous ones. A new ``tokens``, ``overrides``
+    or ``dtype`` means other specs or plans: modules derive their specs again on their next call. ``dtype``:
+    the precision of the experts' GEMMs, the spec's ``dtype`` (``"bf16"``; ``"fp8"``: Hopper's blockwise e4m3
+    training, weights and activations quantized per call from the model's bf16 tensors, outputs and gradients
+    bf16; ``"mxfp8"``: Blackwell's, sm_100a only). The parameters stay the model's bf16 master weights."""
     global _OPTIONS
     old = options()
     new = dataclasses.replace(old)
@@ -169,6 +173,10 @@ def configure(*, tokens: int | None = None, masked: bool | None = None, relayout
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
         new.tokens = tokens
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        new.dtype = dtype
     if masked is not None:
         new.masked = bool(masked)
     if relayout is not None:
@@ -176,7 +184,7 @@ def configure(*, tokens: int | None = None, masked: bool | None = None, relayout
     if overrides is not None:
         new.overrides = dict(overrides) or None   # {}: back to the solver's (or the tuning record's) plan
     with _KERNELS.lock:
-        if (new.tokens, new.overrides) != (old.tokens, old.overrides):
+        if (new.tokens, new.overrides, new.dtype) != (old.tokens, old.overrides, old.dtype):
             _KERNELS.drop()
         _OPTIONS = new
     return old
@@ -336,10 +344,12 @@ def _config_experts(module: torch.nn.Module) -> int | None:
 
 
 def spec_for(layout: ExpertsLayout, hidden: int, ffn: int, experts: int, topk: int, *, ep: int = 1,
-             tokens: int | None = None) -> Spec:
-    """The mokgen spec of one rank's experts: ``experts`` local experts (of ``experts * ep``), top-``topk``.
-    The name depends on the shape only, so models of different families with one shape share a cache entry."""
+             tokens: int | None = None, dtype: str | None = None) -> Spec:
+    """The mokgen spec of one rank's experts: ``experts`` local experts (of ``experts * ep``), top-``topk``, in
+    ``dtype`` (default :func:`configure`'s). The name depends on the shape, the math and the dtype only, so
+    models of different families with one shape share a cache entry."""
     tokens = _OPTIONS.tokens if tokens is None else tokens
+    dtype = _OPTIONS.dtype if dtype is None else dtype
     name = f"hf-h{hidden}-i{ffn}-e{experts}" + (f"x{ep}" if ep > 1 else "") + f"-k{topk}"
     if layout.activation == "swiglu_oai":
         name += "-oai"
@@ -350,9 +360,12 @@ def spec_for(layout: ExpertsLayout, hidden: int, ffn: int, experts: int, topk: i
             name += "-il"
     if layout.bias and layout.activation != "swiglu_oai":
         name += "-bias"
+    if dtype != "bf16":
+        name += f"-{dtype}"
     return Spec(name=name, hidden=hidden, ffn=ffn, experts=experts * ep, ep=ep, topk=topk, tokens=tokens,
                 shared_experts=0, activation=layout.activation, swiglu_limit=layout.swiglu_limit,
-                gate_up_layout=layout.gate_up_layout, bias=layout.bias)
+                gate_up_layout=layout.gate_up_layout, bias=layout.bias, dtype=dtype,
+                archs=("sm_100a",) if dtype == "mxfp8" else ("sm_90a",))
 
 
 def derive_spec(module: torch.nn.Module, topk: int | None = None, *, tokens: int | None = None) -> Spec:
