@@ -64,7 +64,7 @@ import torch
 
 from .. import ops
 from .common import CompiledSpecs, reference_compiler
-from ..spec import Spec, SpecError
+from ..spec import DTYPES, Spec, SpecError
 
 __all__ = [
     "DEFAULT_TOKENS",
@@ -96,6 +96,7 @@ class Options:
 
     tokens: int = DEFAULT_TOKENS                   # the row count N the plan is chosen for (any N runs)
     overrides: Mapping[str, Any] | None = None     # plan overrides for mokgen.compile
+    dtype: str = "bf16"                            # the GEMMs' precision: "bf16", "fp8" (Hopper), "mxfp8" (sm_100a)
 
 
 _OPTIONS = Options()
@@ -107,10 +108,14 @@ def options() -> Options:
     return dataclasses.replace(_OPTIONS)
 
 
-def configure(*, tokens: int | None = None, overrides: Mapping[str, Any] | None = None) -> Options:
+def configure(*, tokens: int | None = None, overrides: Mapping[str, Any] | None = None,
+              dtype: str | None = None) -> Options:
     """Change the settings given; returns the previous ones. ``tokens``: the row count per call you expect
     (tokens x top-k routed to this rank's experts; it picks the plan and bounds the spec's memory check).
-    ``overrides``: plan overrides for ``mokgen.compile`` (``{}``: back to the solver's or the tuned plan)."""
+    ``overrides``: plan overrides for ``mokgen.compile`` (``{}``: back to the solver's or the tuned plan).
+    ``dtype``: the GEMMs' precision, the spec's ``dtype`` (``"bf16"``; ``"fp8"``: Hopper's blockwise e4m3, the
+    operands quantized per call from the bf16 weights and rows, outputs and gradients bf16; ``"mxfp8"``:
+    sm_100a's)."""
     global _OPTIONS
     old = options()
     new = dataclasses.replace(old)
@@ -120,8 +125,12 @@ def configure(*, tokens: int | None = None, overrides: Mapping[str, Any] | None 
         new.tokens = tokens
     if overrides is not None:
         new.overrides = dict(overrides) or None
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        new.dtype = dtype
     with _KERNELS.lock:
-        if (new.tokens, new.overrides) != (old.tokens, old.overrides):
+        if (new.tokens, new.overrides, new.dtype) != (old.tokens, old.overrides, old.dtype):
             _KERNELS.drop()
         _OPTIONS = new
     return old
@@ -139,10 +148,12 @@ def _warn_once(key: str, msg: str) -> None:
 
 def grouped_spec(hidden: int, ffn: int, experts: int, *, activation: str = "swiglu",
                  swiglu_limit: float | None = None, gate_up_layout: str = "concat", bias: bool = False,
-                 tokens: int | None = None) -> Spec:
-    """The top-1 spec of a grouped-experts call: ``experts`` groups (all local: ep 1), no shared experts.
-    The name depends on the shape and the math only, so every layer of one shape shares a cache entry."""
+                 tokens: int | None = None, dtype: str | None = None) -> Spec:
+    """The top-1 spec of a grouped-experts call: ``experts`` groups (all local: ep 1), no shared experts, in
+    ``dtype`` (default :func:`configure`'s). The name depends on the shape, the math and the dtype only, so
+    every layer of one shape shares a cache entry."""
     tokens = _OPTIONS.tokens if tokens is None else tokens
+    dtype = _OPTIONS.dtype if dtype is None else dtype
     name = f"grouped-h{hidden}-i{ffn}-e{experts}"
     if activation == "swiglu_oai":
         name += "-oai"
@@ -152,9 +163,12 @@ def grouped_spec(hidden: int, ffn: int, experts: int, *, activation: str = "swig
         name += "-il"
     if bias and activation != "swiglu_oai":
         name += "-bias"
+    if dtype != "bf16":
+        name += f"-{dtype}"
     return Spec(name=name, hidden=hidden, ffn=ffn, experts=experts, ep=1, topk=1, tokens=tokens,
                 shared_experts=0, activation=activation, swiglu_limit=swiglu_limit,
-                gate_up_layout=gate_up_layout, bias=bias)
+                gate_up_layout=gate_up_layout, bias=bias, dtype=dtype,
+                archs=("sm_100a",) if dtype == "mxfp8" else ("sm_90a",))
 
 
 _KERNELS = CompiledSpecs(lambda: _OPTIONS.overrides)
