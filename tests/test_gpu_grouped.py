@@ -118,6 +118,37 @@ def test_against_float64_and_bits(shape, probs, kind):
     print(shape, kind, errs)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp8(shape):
+    """configure(dtype="fp8"): the op on mokgen's FP8 kernels, mixed counts with empty experts: the same bits on
+    a rerun, every result within FP8's error of the float64 loop (tests/test_grouped.py::test_fp8 measured 6-8% on
+    the CPU reference kernels; 0.12 here) and further from it than the BF16 kernels' on the same inputs."""
+    E = SHAPES[shape][2]
+    counts = counts_for(E, ROWS, "mixed")
+    t, dy, kw, c = case(shape, counts)
+    y16, g16 = run(t, c, dy, kw)
+    old = G.configure(dtype="fp8")
+    try:
+        y, g = run(t, c, dy, kw)
+        y2, g2 = run(t, c, dy, kw)
+    finally:
+        G.configure(dtype=old.dtype)
+    torch.cuda.synchronize()
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), "FP8 y differs on a rerun"
+    assert all(torch.equal(g[n], g2[n]) for n in g), "FP8 gradients differ on a rerun"
+    refs = {n: v.double().requires_grad_(True) for n, v in t.items() if v is not None}
+    r = {n: refs.get(n) for n in t}
+    y_ref = loop_reference(r["x"], counts, r["w1"], r["w2"], r["probs"], r["b1"], r["b2"],
+                           activation=kw["activation"], layout=kw["gate_up_layout"])
+    y_ref.backward(dy.double())
+    errs = {"y": rel_err(y.float(), y_ref), **{n: rel_err(g[n].double(), refs[n].grad) for n in g}}
+    e16 = {"y": rel_err(y16.float(), y_ref), **{n: rel_err(g16[n].double(), refs[n].grad) for n in g16}}
+    bad = {k: v for k, v in errs.items() if not v <= 0.12}
+    assert not bad, f"{shape} FP8: above 0.12: {bad} (all {errs})"
+    assert all(errs[k] > e16[k] for k in ("y", "x", "w1", "w2")), (errs, e16)
+    print(shape, "fp8", errs, "bf16", e16)
+
+
 def test_no_rows():
     t, dy, kw, c = case("qwen3-like", [0] * 32)
     y, g = run(t, c, dy, kw)
