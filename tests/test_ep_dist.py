@@ -263,3 +263,32 @@ def test_buffers_hold_the_worst_case():
     lay = ep.dispatch_layout(idx, 2, BM)
     assert len(lay.rows[0]) + 16 <= cap
     assert bufs["comb"][0] == (16 * 4 + cap, c.hidden) and bufs["dtw"][0] == (16 * 4 + 1,)
+
+
+def test_bench_ep_dry_run(tmp_path):
+    """tools/bench_ep.py --dry-run: 2 CPU processes, gloo, the reference kernels; its records are complete, the
+    baselines' y agree with the EP layer's within bf16 rounding, the EP layer is bitwise repeatable."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ep.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, str(repo / "tools" / "bench_ep.py"), "--dry-run", "--ranks", "2", "--out",
+                        str(out)], capture_output=True, text=True, timeout=240, env=env, cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert {(r["impl"], r["mode"]) for r in recs} == {(i, m) for i in ("mokgen_ep", "a2a_mokgen", "a2a_grouped_mm")
+                                                      for m in ("fwd", "fwd_bwd")}
+    for r in recs:
+        assert "error" not in r, r
+        assert r["ep"] == 2 and r["gpu"] == "cpu" and r["dry_run"] and r["median_ms"] > 0
+        assert r["tokens_per_s_per_gpu"] > 0 and r["tflops_per_gpu"] > 0 and r["rel_err"] < 2e-2
+        assert r["multicast_off"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                      "NVSHMEM_DISABLE_NVLS": "1"}
+        if r["impl"] == "a2a_mokgen":
+            assert r["speedup_vs_baseline"] == 1.0
+        if r["impl"] == "mokgen_ep":
+            assert r["bitwise_deterministic"] is True and r["rel_err"] == 0.0
+    assert "mokgen_ep" in p.stdout and "speedup" not in p.stderr
