@@ -22,9 +22,11 @@ order inside each expert's group) and summed in the same order, so the outputs e
 and no result depends on the order in which the ranks run a phase (each slot has exactly one writer).
 
 **Peer buffers** (:class:`PeerBuffers`) are what the kernels take: a ``[R]`` int64 device tensor of base addresses.
-Here they are the ranks' own tensors on one device; on several GPUs they are torch symmetric memory's peer
-pointers (``buffer_ptrs_dev``), with ``symm_mem.barrier`` between the phases: that multi-process form is not
-built. The reference kernels (:func:`reference_ep_kernels`, the CPU tests) resolve an address through the tensors
+Here they are the ranks' own tensors on one device. The phases are methods of :class:`EPMoE` for one rank
+(``workspace``, ``phase_routing``, ``phase_experts``, ``phase_push``, ``phase_combine``, ``phase_bwd_*``): the
+simulated ranks loop over them; :mod:`mokgen.ep_dist` runs its own rank's, one rank per process, over a transport's
+buffers (torch symmetric memory's peer addresses on GPUs, shared-memory files on the CPU) with a bounded barrier
+between the phases. The reference kernels (:func:`reference_ep_kernels`, the CPU tests) resolve an address through the tensors
 a :class:`PeerBuffers` registered (an unknown address is an error).
 """
 from __future__ import annotations
