@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import zlib
 from typing import Any, Sequence
 
 import torch
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from .ep_ops import EPMoE, EPSaved, PeerBuffers, recv_capacity
 from .ops import MoEInputError
 
-__all__ = ["MULTICAST_OFF", "EPBarrierTimeout", "Transport", "ShmTransport", "SymmTransport", "make_transport",
+__all__ = ["MULTICAST_OFF", "EPBarrierTimeout", "EPPhaseMismatch", "Transport", "ShmTransport", "SymmTransport", "make_transport",
            "ep_buffers", "EPRank", "ep_moe_forward", "PHASES"]
 
 # NVLink multicast (NVLS) stays off: NCCL, torch symmetric memory and NVSHMEM each have a switch
@@ -57,6 +58,14 @@ PHASES = ("forward:publish", "forward:push", "backward:publish", "backward:push"
 
 class EPBarrierTimeout(RuntimeError):
     """A phase barrier timed out: some rank did not arrive (it died, hangs, or skipped the phase)."""
+
+
+class EPPhaseMismatch(RuntimeError):
+    """Ranks met at a barrier from different phases (e.g. one rank skipped a backward and ran the next forward):
+    the EP steps are collective, every rank must run the same sequence."""
+
+
+_RING = 8   # phase codes kept per rank: a peer is at most one barrier ahead
 
 
 class Transport:
@@ -125,9 +134,10 @@ def _group_info(group: Any) -> tuple[int, int]:
 class ShmTransport(Transport):
     """The CPU transport: shared-memory files mapped by every rank of a (gloo) process group ``group``.
 
-    Setup (``alloc``) uses the group's collectives; the phase barrier does not: each rank bumps its epoch counter
-    (a shared int64) and polls every peer's until they reach it or ``timeout_s`` passes (then
-    :class:`EPBarrierTimeout` names the phase, the late ranks and the last barrier each of them reached). Stores
+    Setup (``alloc``) uses the group's collectives; the phase barrier does not: each rank writes the phase's code
+    for its next epoch, then bumps its epoch counter (shared int64s), and polls every peer's until they reach it or
+    ``timeout_s`` passes (then :class:`EPBarrierTimeout` names the phase, the late ranks and the last barrier each
+    of them reached); a peer at the same epoch from another phase raises :class:`EPPhaseMismatch` at once. Stores
     and loads are plain CPU memory accesses; x86-64's ordering (TSO) makes a rank's buffer writes visible before its
     counter's, which is what the barrier relies on (not for weakly ordered CPUs)."""
 
@@ -143,8 +153,8 @@ class ShmTransport(Transport):
         dist.broadcast_object_list(sid, src=src, group=group)
         self.session = sid[0]
         self._epoch = 0
-        self._history = ["(none)"]   # phase name of each barrier epoch
-        self.alloc("_epoch", (1,), torch.int64)
+        self._names = {i + 1: p for i, p in enumerate(PHASES)}   # phase code -> name
+        self.alloc("_epoch", (1 + _RING,), torch.int64)   # [epoch, the phase code of epoch e at 1 + e % _RING]
 
     def _path(self, name: str, r: int) -> str:
         return os.path.join(self.dir, f"mokgen-ep-{self.session}-{name}-{r}")
@@ -167,23 +177,44 @@ class ShmTransport(Transport):
             os.unlink(own)                    # the mappings stay; nothing is left in /dev/shm
         return peers
 
+    def _code(self, phase: str) -> int:
+        code = PHASES.index(phase) + 1 if phase in PHASES else (zlib.crc32(phase.encode()) | 1 << 32)
+        self._names[code] = phase
+        return code
+
+    def _where(self, sig: torch.Tensor) -> str:
+        e = int(sig[0])
+        if e == 0:
+            return "#0 (none yet)"
+        code = int(sig[1 + e % _RING])
+        return f"#{e} '{self._names.get(code, f'unknown phase {code:#x}')}'"
+
     def barrier(self, phase: str) -> None:
         self._check_usable()
         self._epoch += 1
-        e = self._epoch
-        self._history.append(phase)
-        counters = self._peers["_epoch"]
-        counters[self.rank][0] = e
+        e, code = self._epoch, self._code(phase)
+        sigs = self._peers["_epoch"]
+        sigs[self.rank][1 + e % _RING] = code   # the phase first, then the epoch that publishes it
+        sigs[self.rank][0] = e
         deadline = time.monotonic() + self.timeout_s
         pause = 1e-5
         while True:
-            late = [r for r in range(self.world) if int(counters[r][0]) < e]
+            late, other = [], []
+            for r in range(self.world):
+                if int(sigs[r][0]) < e:
+                    late.append(r)
+                elif int(sigs[r][1 + e % _RING]) != code:
+                    other.append(r)
+            if other:
+                names = ", ".join(f"rank {r} at '{self._names.get(int(sigs[r][1 + e % _RING]), '?')}'"
+                                  for r in other)
+                self.failed = (f"rank {self.rank} at barrier #{e} '{phase}' met {names}: every rank must run the "
+                               "same sequence of EP forwards and backwards")
+                raise EPPhaseMismatch("mokgen ep: " + self.failed)
             if not late:
                 return
             if time.monotonic() > deadline:
-                where = ", ".join(f"rank {r} at #{int(counters[r][0])} "
-                                  f"'{self._history[int(counters[r][0])] if int(counters[r][0]) < len(self._history) else '?'}'"
-                                  for r in late)
+                where = ", ".join(f"rank {r} at {self._where(sigs[r])}" for r in late)
                 self.failed = (f"rank {self.rank} timed out after {self.timeout_s:g} s at barrier #{e} '{phase}': "
                                f"rank(s) {late} did not arrive (last barrier reached: {where})")
                 raise EPBarrierTimeout("mokgen ep: " + self.failed)

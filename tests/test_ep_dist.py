@@ -9,6 +9,7 @@ phase makes the others raise EPBarrierTimeout naming it and the phase within the
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 import traceback
@@ -91,13 +92,16 @@ def _run_job(rank, job, timeout_s):
         wr = wt[rank].clone().requires_grad_(job.get("train", False))
         y = moe(xr, idx[rank], wr)
         out["y"] = y.detach().clone()
-        if job.get("train"):
+        if job.get("train") and job.get("no_backward") != rank:
             if delay:
                 time.sleep(delay[-1 - rank])
             y.backward(dy[rank])
             out.update(x=xr.grad, topk_weight=wr.grad, w1=moe.w1.grad, w2=moe.w2.grad)
             if b1 is not None:
                 out.update(b1=moe.b1.grad, b2=moe.b2.grad)
+        if job.get("again"):   # a second forward (no grad)
+            with torch.no_grad():
+                moe(x[rank], idx[rank], wt[rank])
     except _Skip as e:
         out["skipped"] = str(e)
     except Exception as e:   # noqa: BLE001 -- reported to the parent
@@ -242,6 +246,22 @@ def test_a_rank_that_skips_a_phase_is_named_within_the_timeout(phase, tmp_path):
         assert f"'{phase}'" in msg and "rank(s) [2] did not arrive" in msg and f"rank {r} timed out" in msg, msg
         assert "\n" not in msg
         assert o["seconds"] < timeout + 10, o["seconds"]
+
+
+def test_a_rank_that_skips_a_backward_is_caught_at_once(tmp_path):
+    """Rank 1 runs no backward and goes on to the next forward: its 'forward:publish' meets the others'
+    'backward:publish' at the same barrier; every rank raises EPPhaseMismatch at once (no timeout, no silent mix)."""
+    timeout = 30.0
+    jobs = {"mix": dict(kw=dict(ep=3, experts=6), tokens=[8, 8, 8], seed=4, train=True, no_backward=1, again=True)}
+    res = _spawn(3, jobs, tmp_path, timeout_s=timeout, limit_s=90)
+    for r in range(3):
+        o = res[r]["mix"]
+        assert o.get("error_type") == "EPPhaseMismatch", o
+        assert o["seconds"] < timeout / 2, o["seconds"]
+    assert "rank 1 at 'forward:publish'" in res[0]["mix"]["error"], res[0]["mix"]["error"]
+    assert "rank 1 at 'forward:publish'" in res[2]["mix"]["error"], res[2]["mix"]["error"]
+    assert re.search(r"rank 1 at barrier #3 'forward:publish' met rank [02] at 'backward:publish'",
+                     res[1]["mix"]["error"]), res[1]["mix"]["error"]   # whichever peer it saw first
 
 
 def test_transport_rejects_a_group_of_another_size():
