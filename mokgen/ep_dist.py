@@ -236,19 +236,22 @@ class SymmTransport(Transport):
     phase name."""
 
     def __init__(self, group: Any = None, device: torch.device | str | None = None, timeout_s: float = 30.0,
-                 allow_overlapping_devices: bool = False):
+                 allow_overlapping_devices: bool = False, symm_mem: Any = None):
         super().__init__()
         for k, v in MULTICAST_OFF.items():   # before the first rendezvous of this process
             os.environ[k] = v
         if allow_overlapping_devices:
             os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self._symm = symm_mem
+        stand_in = symm_mem is not None
+        if not stand_in:
+            import torch.distributed._symmetric_memory as symm_mem
+        elif device is None:
+            raise ValueError("SymmTransport: a symm_mem stand-in needs device=")
+        self._symm = symm_mem   # (tests pass a CPU stand-in with the same API: tests/test_ep_dist.py)
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = _group_info(group)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not stand_in:
             raise ValueError(f"SymmTransport needs a CUDA device, got {self.device}")
         self.timeout_s = float(timeout_s)
         self._handles: dict[str, Any] = {}

@@ -63,7 +63,12 @@ def _run_job(rank, job, timeout_s):
     import mokgen
 
     spec, x, idx, wt, w1, w2, b1, b2, dy = _problem(job)
-    tp = ep_dist.ShmTransport(dist.group.WORLD, timeout_s=timeout_s)
+    if job.get("transport") == "symm":   # SymmTransport's own code over a CPU stand-in of torch symmetric memory
+        import fake_symm_mem
+
+        tp = ep_dist.SymmTransport(dist.group.WORLD, "cpu", timeout_s=timeout_s, symm_mem=fake_symm_mem)
+    else:
+        tp = ep_dist.ShmTransport(dist.group.WORLD, timeout_s=timeout_s)
     moe = mokgen.MoE(spec, device="cpu", group=dist.group.WORLD, ep_layer=_ep_layer(spec), transport=tp)
     with torch.no_grad():
         moe.w1.copy_(w1[rank])
@@ -199,7 +204,9 @@ JOBS = {
                        delay=[0.0, 0.15, 0.3]),
         "skewed": dict(kw=dict(ep=3, experts=6), tokens=[0, 12, 0], seed=6, routing="one_rank", train=True),
         "late": dict(kw=dict(ep=3, experts=6, shared_experts=1), tokens=[5, 16, 9], seed=5, train=True,
-                     delay=[0.3, 0.15, 0.0])},
+                     delay=[0.3, 0.15, 0.0]),
+        "symm": dict(kw=dict(ep=3, experts=6, shared_experts=1), tokens=[5, 16, 9], seed=5, train=True,
+                     transport="symm")},
     4: {"mixed": dict(kw=dict(shared_experts=1), tokens=[16, 0, 7, 1], seed=7, train=True),
         "skewed": dict(kw=dict(shared_experts=2), tokens=[16, 16, 16, 16], seed=8, routing="one_rank", train=True),
         "bias": dict(kw=dict(shared_experts=1, bias=True, activation="swiglu_oai", gate_up_layout="interleaved"),
@@ -213,10 +220,11 @@ def test_processes_equal_the_gathered_single_gpu_layer(world, tmp_path):
     res = _spawn(world, jobs, tmp_path)
     for name, job in jobs.items():
         _check_job(name, job, res)
-    if world == 3:   # other arrival orders (delays reversed): the same bits
+    if world == 3:   # other arrival orders (delays reversed), the symmetric-memory transport: the same bits
         for r in range(3):
             for k in ("y", "x", "topk_weight", "w1", "w2"):
                 assert torch.equal(res[r]["random"][k], res[r]["late"][k]), (r, k)
+                assert torch.equal(res[r]["random"][k], res[r]["symm"][k]), (r, k)
     assert not list(Path("/dev/shm").glob("mokgen-ep-*")) if Path("/dev/shm").is_dir() else True
 
 
@@ -231,16 +239,26 @@ def test_ids_out_of_range_raise_on_every_rank(tmp_path):
     _check_job("after", jobs["after"], res)
 
 
-@pytest.mark.parametrize("phase", ["forward:push", "backward:publish"])
-def test_a_rank_that_skips_a_phase_is_named_within_the_timeout(phase, tmp_path):
+@pytest.mark.parametrize("transport,phase", [("shm", "forward:push"), ("shm", "backward:publish"),
+                                             ("symm", "forward:push")])
+def test_a_rank_that_skips_a_phase_is_named_within_the_timeout(transport, phase, tmp_path):
+    """The others raise within the timeout: EPBarrierTimeout naming the rank and the phase (ShmTransport); with
+    SymmTransport (over the CPU stand-in) the barrier's message naming the rank and the phase's channel, which on
+    a GPU the device prints before it traps."""
     timeout = 2.0
-    jobs = {"fault": dict(kw=dict(ep=3, experts=6), tokens=[8, 8, 8], seed=3, train=True, fault=(2, phase))}
+    jobs = {"fault": dict(kw=dict(ep=3, experts=6), tokens=[8, 8, 8], seed=3, train=True, fault=(2, phase),
+                          transport=transport)}
     t0 = time.monotonic()
     res = _spawn(3, jobs, tmp_path, timeout_s=timeout, limit_s=90)
     assert time.monotonic() - t0 < 60
     assert res[2]["fault"]["skipped"] == phase
     for r in (0, 1):
         o = res[r]["fault"]
+        if transport == "symm":
+            ch = ep_dist.PHASES.index(phase)
+            assert f"rank {r} failed to receive signal from rank 2 on channel {ch}" in o.get("error", ""), o
+            assert o["seconds"] < timeout + 10, o["seconds"]
+            continue
         assert o.get("error_type") == "EPBarrierTimeout", o
         msg = o["error"]
         assert f"'{phase}'" in msg and "rank(s) [2] did not arrive" in msg and f"rank {r} timed out" in msg, msg
