@@ -45,7 +45,8 @@ import torch.distributed as dist
 from .ep_ops import EPMoE, EPSaved, PeerBuffers, recv_capacity
 from .ops import MoEInputError
 
-__all__ = ["MULTICAST_OFF", "EPBarrierTimeout", "EPPhaseMismatch", "Transport", "ShmTransport", "SymmTransport", "make_transport",
+__all__ = ["MULTICAST_OFF", "EPBarrierTimeout", "EPPhaseMismatch", "Transport", "ShmTransport", "IpcTransport",
+           "SymmTransport", "make_transport",
            "ep_buffers", "EPRank", "ep_moe_forward", "PHASES"]
 
 # NVLink multicast (NVLS) stays off: NCCL, torch symmetric memory and NVSHMEM each have a switch
@@ -220,6 +221,48 @@ class ShmTransport(Transport):
                 raise EPBarrierTimeout("mokgen ep: " + self.failed)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+
+class IpcTransport(ShmTransport):
+    """Several processes on one CUDA device (a correctness harness where symmetric memory refuses ranks that share
+    a GPU): each buffer a CUDA tensor exported with a CUDA IPC handle (torch.multiprocessing's tensor reduction,
+    ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``), the handles exchanged over the (gloo) group; the barrier
+    is a device synchronize then :class:`ShmTransport`'s bounded host barrier (the epoch counters stay in
+    /dev/shm). A host sync per phase: not a fast path. Written for the GPU machines, not run yet."""
+
+    def __init__(self, group: Any = None, device: torch.device | str | None = None, timeout_s: float = 30.0,
+                 directory: str = "/dev/shm"):
+        cuda = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if cuda.type != "cuda":
+            raise ValueError(f"IpcTransport needs a CUDA device, got {cuda}")
+        self._owned: list[torch.Tensor] = []
+        super().__init__(group, timeout_s, directory)   # the epoch counters: host shared memory
+        self.device = cuda
+
+    def _map(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        if name == "_epoch":
+            return super()._map(name, shape, dtype)
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        numel = 1
+        for s in shape:
+            numel *= s
+        t = torch.zeros(max(numel, 1), dtype=dtype, device=self.device)
+        self._owned.append(t)   # exported: kept alive as long as the transport
+        rebuild, args = reduce_tensor(t)
+        handles: list[Any] = [None] * self.world
+        dist.all_gather_object(handles, args, group=self.group)
+        peers = [t if r == self.rank else rebuild(*handles[r]) for r in range(self.world)]
+        dist.barrier(group=self.group)   # every rank opened every handle
+        return [p[:numel].view(shape) for p in peers]
+
+    def barrier(self, phase: str) -> None:
+        torch.cuda.synchronize(self.device)   # this rank's writes are done before its epoch is published
+        super().barrier(phase)
+
+    def close(self) -> None:
+        super().close()
+        self._owned.clear()
 
 
 class SymmTransport(Transport):

@@ -3,8 +3,9 @@ group=...)`` with the compiled kernels over torch symmetric memory (SymmTranspor
 process per GPU under an NCCL group, R = 2, 3, 4 where that many GPUs are visible: every rank's y, dx,
 d topk_weight and its routed experts' dW1 / dW2 equal the single-GPU layer's training step on the gathered problem
 (compiled with the EP plan's GEMM choices) bit for bit, and two steps give the same bits. The one-GPU variant runs
-2 processes on cuda:0 (a gloo group, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): symmetric memory's
-rendezvous of ranks on one device; it skips, naming the reason, where this torch refuses that. The fault test:
+2 and 3 processes on cuda:0 with a gloo group, over symmetric memory (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``;
+it skips, naming the reason, where this torch refuses ranks on one device) and over CUDA IPC handles
+(IpcTransport: a device synchronize and the host barrier between the phases). The fault test:
 a rank that skips a phase makes the others' device barrier time out (the device prints the rank and channel, and
 traps; the process must exit). Written for the GPU machines; not run on the CPU machines
 (tests/test_ep_dist.py runs the same protocol there with the shared-memory transport)."""
@@ -56,7 +57,11 @@ def _gpu_worker(rank, world, port, spec, tokens, routing, seed, out_dir, one_gpu
             dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=120), device_id=dev)
         try:
-            tp = ep_dist.SymmTransport(dist.group.WORLD, dev, timeout_s=timeout_s, allow_overlapping_devices=one_gpu)
+            if one_gpu == "ipc":
+                tp = ep_dist.IpcTransport(dist.group.WORLD, dev, timeout_s=timeout_s)
+            else:
+                tp = ep_dist.SymmTransport(dist.group.WORLD, dev, timeout_s=timeout_s,
+                                           allow_overlapping_devices=bool(one_gpu))
         except Exception as e:   # noqa: BLE001 -- the one-GPU form may be refused by this torch
             res["unsupported"] = f"{type(e).__name__}: {e}"
             raise
@@ -94,7 +99,7 @@ def _gpu_worker(rank, world, port, spec, tokens, routing, seed, out_dir, one_gpu
     os._exit(0)   # a trapped CUDA context cannot be torn down
 
 
-def _spawn(world, tmp_path, spec, tokens, routing, seed, one_gpu=False, fault=None, timeout_s=20.0, limit_s=400):
+def _spawn(world, tmp_path, spec, tokens, routing, seed, one_gpu=None, fault=None, timeout_s=20.0, limit_s=400):
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_gpu_worker, args=(world, _free_port(), spec, tokens, routing, seed, str(tmp_path),
@@ -152,15 +157,18 @@ def test_gpus_equal_the_gathered_layer(ranks, tokens, routing, tmp_path):
     _check_against_gathered(spec, tokens, routing, ranks, res)
 
 
-def test_two_processes_on_one_gpu(tmp_path):
-    """Symmetric memory with both ranks on cuda:0 (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, a gloo group)."""
-    spec = _spec(2)
-    _train_layers(spec)
-    res = _spawn(2, tmp_path, spec, [64, 5], "random", seed=4, one_gpu=True)
-    refused = [o["unsupported"] for o in res if "unsupported" in o]
-    if refused:
-        pytest.skip(f"torch symmetric memory refused two ranks on one GPU: {refused[0]}")
-    _check_against_gathered(spec, [64, 5], "random", 4, res)
+@pytest.mark.parametrize("transport", ["symm", "ipc"])
+def test_processes_sharing_one_gpu(transport, tmp_path):
+    """Two and three ranks on cuda:0 with a gloo group: symmetric memory (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1;
+    skips naming the reason where this torch refuses it) or CUDA IPC handles (IpcTransport)."""
+    for ranks, tokens in ((2, [64, 5]), (3, [0, 64, 1])):
+        spec = _spec(ranks)
+        _train_layers(spec)
+        res = _spawn(ranks, tmp_path, spec, tokens, "random", seed=4, one_gpu=transport)
+        refused = [o["unsupported"] for o in res if "unsupported" in o]
+        if refused and transport == "symm":
+            pytest.skip(f"torch symmetric memory refused ranks sharing one GPU: {refused[0]}")
+        _check_against_gathered(spec, tokens, "random", 4, res)
 
 
 def test_a_rank_that_skips_a_phase_times_out_the_others(tmp_path):
