@@ -17,6 +17,8 @@ process runs its own rank's), over buffers that every rank can address:
     has an address in every process (the reference kernels resolve it to the local mapping through
     :class:`~mokgen.ep_ops.PeerBuffers`' registry); the barrier is an epoch counter per rank in shared memory,
     polled with a deadline.
+  - :class:`IpcTransport` (several processes on one CUDA device, where symmetric memory refuses them): CUDA IPC
+    handles and the CPU transport's host barrier after a device synchronize. Written, not run yet.
 
 * :class:`EPRank` -- one rank's forward (publish x, ids, weights, token count; barrier; routing, pull dispatch,
   experts, push; barrier; combine) and backward (publish dy and x again, zero the router-gradient buffer; barrier;
