@@ -35,6 +35,7 @@ the same order; each slot has one writer), whatever the order in which the ranks
 """
 from __future__ import annotations
 
+import abc
 import os
 import time
 import uuid
@@ -71,7 +72,7 @@ class EPPhaseMismatch(RuntimeError):
 _RING = 8   # phase codes kept per rank: a peer is at most one barrier ahead
 
 
-class Transport:
+class Transport(abc.ABC):
     """Named buffers, the same shape on every rank of ``group``, addressable by every rank; a bounded barrier.
 
     ``alloc`` is collective (every rank, same names, shapes and order). ``ptrs(name)``: the ``[R]`` int64 tensor
@@ -100,8 +101,9 @@ class Transport:
         self._peers[name] = peers
         self._ptrs[name] = PeerBuffers(peers, self.device)
 
+    @abc.abstractmethod
     def _map(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Allocate this rank's buffer (collective) and return every rank's, as tensors of this process."""
 
     def has(self, name: str) -> bool:
         return name in self._shapes
@@ -115,8 +117,9 @@ class Transport:
     def ptrs(self, name: str) -> torch.Tensor:
         return self._ptrs[name].ptrs
 
+    @abc.abstractmethod
     def barrier(self, phase: str) -> None:
-        raise NotImplementedError
+        """Every rank's writes before it are visible to every rank after it; bounded (see the subclasses)."""
 
     def _check_usable(self) -> None:
         if self.failed:
