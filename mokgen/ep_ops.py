@@ -22,9 +22,11 @@ order inside each expert's group) and summed in the same order, so the outputs e
 and no result depends on the order in which the ranks run a phase (each slot has exactly one writer).
 
 **Peer buffers** (:class:`PeerBuffers`) are what the kernels take: a ``[R]`` int64 device tensor of base addresses.
-Here they are the ranks' own tensors on one device; on several GPUs they are torch symmetric memory's peer
-pointers (``buffer_ptrs_dev``), with ``symm_mem.barrier`` between the phases: that multi-process form is not
-built. The reference kernels (:func:`reference_ep_kernels`, the CPU tests) resolve an address through the tensors
+Here they are the ranks' own tensors on one device. The phases are methods of :class:`EPMoE` for one rank
+(``workspace``, ``phase_routing``, ``phase_experts``, ``phase_push``, ``phase_combine``, ``phase_bwd_*``): the
+simulated ranks loop over them; :mod:`mokgen.ep_dist` runs its own rank's, one rank per process, over a transport's
+buffers (torch symmetric memory's peer addresses on GPUs, shared-memory files on the CPU) with a bounded barrier
+between the phases. The reference kernels (:func:`reference_ep_kernels`, the CPU tests) resolve an address through the tensors
 a :class:`PeerBuffers` registered (an unknown address is an error).
 """
 from __future__ import annotations
@@ -246,20 +248,28 @@ class EPMoE:
         if (b1 is not None or b2 is not None) != bool(c.bias):
             raise MoEInputError(f"ep: biases given {b1 is not None}, spec bias {c.bias}")
         dev = x[0].device
+        for r in range(n):
+            self.check_rank(r, dev, x[r], topk_idx[r], topk_weight[r], w1[r], w2[r],
+                            None if b1 is None else b1[r], None if b2 is None else b2[r])
+
+    def check_rank(self, r: int, dev: torch.device, x, topk_idx, topk_weight, w1, w2, b1, b2) -> None:
+        """Rank r's inputs: shapes, dtypes, device, contiguity (the simulated and the multi-process forms)."""
+        c = self.cfg
+        if (b1 is not None or b2 is not None) != bool(c.bias):
+            raise MoEInputError(f"ep: biases given {b1 is not None}, spec bias {c.bias}")
         if dev.type != "cuda" and not self.allow_cpu:
             raise MoEInputError(f"ep: tensors must be on a CUDA device, got {dev}")
         G, H, I, K = c.groups, c.hidden, c.ffn, c.topk
-        for r in range(n):
-            T = x[r].shape[0] if x[r].dim() == 2 else -1
-            want = {"x": (x[r], (T, H), torch.bfloat16), "topk_idx": (topk_idx[r], (T, K), torch.int32),
-                    "topk_weight": (topk_weight[r], (T, K), torch.float32),
-                    "w1": (w1[r], (G, 2 * I, H), torch.bfloat16), "w2": (w2[r], (G, H, I), torch.bfloat16)}
-            if c.bias:
-                want.update(b1=(b1[r], (G, 2 * I), torch.float32), b2=(b2[r], (G, H), torch.float32))
-            for name, (t, shape, dt) in want.items():
-                if tuple(t.shape) != shape or t.dtype != dt or t.device != dev or not t.is_contiguous():
-                    raise MoEInputError(f"ep: rank {r}'s {name} must be a contiguous {dt} tensor {list(shape)} on "
-                                        f"{dev}, got {t.dtype} {list(t.shape)} on {t.device}")
+        T = x.shape[0] if x.dim() == 2 else -1
+        want = {"x": (x, (T, H), torch.bfloat16), "topk_idx": (topk_idx, (T, K), torch.int32),
+                "topk_weight": (topk_weight, (T, K), torch.float32),
+                "w1": (w1, (G, 2 * I, H), torch.bfloat16), "w2": (w2, (G, H, I), torch.bfloat16)}
+        if c.bias:
+            want.update(b1=(b1, (G, 2 * I), torch.float32), b2=(b2, (G, H), torch.float32))
+        for name, (t, shape, dt) in want.items():
+            if tuple(t.shape) != shape or t.dtype != dt or t.device != dev or not t.is_contiguous():
+                raise MoEInputError(f"ep: rank {r}'s {name} must be a contiguous {dt} tensor {list(shape)} on "
+                                    f"{dev}, got {t.dtype} {list(t.shape)} on {t.device}")
 
     def __call__(self, x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
                  topk_weight: Sequence[torch.Tensor], w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
@@ -279,79 +289,114 @@ class EPMoE:
                       ) -> tuple[list[torch.Tensor], "EPSaved"]:
         """(y per rank, saved): as :meth:`__call__`, with GEMM 1 also storing z; ``saved`` is what
         :meth:`backward` needs (each destination's routing workspace and z)."""
+        self._need_training()
+        return self._forward(x, topk_idx, topk_weight, w1, w2, b1, b2, order, num_ctas, check, training=True)
+
+    def _need_training(self) -> None:
         if not self.trainable:
             raise RuntimeError(f"EPMoE: cannot train: the kernels lack {[k for k in EP_TRAIN_KERNELS if k not in self._fns]}"
                                " (a cache entry built with the training kernels, or reference_ep_kernels(training=True))")
-        return self._forward(x, topk_idx, topk_weight, w1, w2, b1, b2, order, num_ctas, check, training=True)
+
+    # ---- the phases of one rank (the simulated ranks loop over them; mokgen.ep_dist runs its own rank's) -------
+
+    def workspace(self, cap: int, tokens: int, dev: torch.device, comb: torch.Tensor | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """A destination's routing workspace for a row space of ``cap`` rows and, as owner of ``tokens`` tokens,
+        its slot map and combine buffer ``comb [tokens * K + cap, H]`` (given: a view of a peer buffer)."""
+        c, bm = self.cfg, self.bm
+        K, H = c.topk, c.hidden
+        e = dict(device=dev)
+        if comb is None:
+            comb = torch.empty((tokens * K + cap, H), dtype=torch.bfloat16, **e)
+        elif tuple(comb.shape) != (tokens * K + cap, H) or comb.dtype != torch.bfloat16:
+            raise MoEInputError(f"ep: combine buffer must be bf16 [{tokens * K + cap}, {H}], got {list(comb.shape)}")
+        return dict(row_rank=torch.empty(cap, dtype=torch.int32, **e),
+                    row_slot=torch.empty(cap, dtype=torch.int32, **e),
+                    row_w=torch.empty(cap, dtype=torch.float32, **e),
+                    tile_group=torch.empty(cap // bm, dtype=torch.int32, **e),
+                    meta=torch.zeros(4, dtype=torch.int32, **e),
+                    slot_pos=torch.empty((tokens, K + c.shared_experts), dtype=torch.int32, **e),
+                    comb=comb, cap=cap, tokens=tokens)
+
+    def phase_routing(self, d: int, w: dict, idx_ptrs: torch.Tensor, w_ptrs: torch.Tensor,
+                      src_tokens: torch.Tensor) -> None:
+        """Phase 1 of destination d: its row space and, as owner, its slot map (every source's ids and weights
+        read through their base addresses)."""
+        call(self._fns, "ep_routing", idx_ptrs=idx_ptrs, w_ptrs=w_ptrs, src_tokens=src_tokens, rank=d,
+             row_rank=w["row_rank"], row_slot=w["row_slot"], row_w=w["row_w"], tile_group=w["tile_group"],
+             meta=w["meta"], slot_pos=w["slot_pos"])
+
+    def phase_experts(self, w: dict, x_ptrs: torch.Tensor, w1, w2, b1, b2, num_ctas: int, training: bool) -> None:
+        """Phase 2 of a destination: the pull of its rows from the sources' x, GEMM 1 (``training``: z kept in
+        ``w``) and GEMM 2 into the row-space part of its combine buffer (``w["ys"]``)."""
+        f, c = self._fns, self.cfg
+        H, I, K, cap = c.hidden, c.ffn, c.topk, w["cap"]
+        dev = w["meta"].device
+        dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
+        xg = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
+        call(f, "ep_dispatch", x_ptrs=x_ptrs, row_rank=w["row_rank"], row_slot=w["row_slot"], meta=w["meta"], xg=xg)
+        h = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
+        ident = torch.arange(cap, dtype=torch.int32, device=dev)   # GEMM 1 "gathers" xg's own rows
+        if training:
+            w["z"] = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
+            call(f, "gemm1_train", a=xg, w=w1, bias=b1 if b1 is not None else dummy, row=ident,
+                 tile_group=w["tile_group"], meta=w["meta"], out=h, z=w["z"], num_ctas=num_ctas)
+        else:
+            call(f, "gemm1", a=xg, w=w1, bias=b1 if b1 is not None else dummy, row=ident,
+                 tile_group=w["tile_group"], meta=w["meta"], out=h, num_ctas=num_ctas)
+        w["ys"] = w["comb"][w["tokens"] * K:]
+        call(f, "gemm2", a=h, w=w2, bias=b2 if b2 is not None else dummy, row=w["row_w"],
+             tile_group=w["tile_group"], meta=w["meta"], out=w["ys"], num_ctas=num_ctas)
+
+    def phase_push(self, w: dict, slot_ptrs: torch.Tensor) -> None:
+        """Phase 3 of a destination: its routed output rows into their owners' slot rows (base addresses)."""
+        call(self._fns, "ep_push", ys=w["ys"], row_rank=w["row_rank"], row_slot=w["row_slot"], meta=w["meta"],
+             slot_ptrs=slot_ptrs)
+
+    def phase_combine(self, w: dict, y: torch.Tensor) -> None:
+        """Phase 4 of an owner: its fixed-order sum of slots then shared rows into y."""
+        if w["tokens"]:
+            call(self._fns, "combine", ys=w["comb"], slot_pos=w["slot_pos"], y=y)
+
+    def check_meta(self, metas: Sequence[torch.Tensor], check: bool) -> None:
+        """``check``: raise :class:`RoutingError` when a routing counted ids out of range (syncs)."""
+        self.last_meta = list(metas)
+        if check and any(int(m[1]) for m in self.last_meta):
+            bad = int(self.last_meta[0][3])
+            raise RoutingError(f"mokgen ep: {bad} top-k id(s) outside [0, {self.ranks * self.cfg.local_experts}); "
+                               "those slots were dropped (contributed 0)")
+
+    @staticmethod
+    def saved_of(w: dict) -> dict[str, torch.Tensor]:
+        """What a destination keeps of its forward workspace for the backward."""
+        return {k: w[k] for k in ("row_rank", "row_slot", "row_w", "tile_group", "meta", "slot_pos", "z")}
 
     def _forward(self, x, topk_idx, topk_weight, w1, w2, b1, b2, order, num_ctas, check, training):
         self._check(x, topk_idx, topk_weight, w1, w2, b1, b2)
-        c, n, bm, f = self.cfg, self.ranks, self.bm, self._fns
+        c, n, bm = self.cfg, self.ranks, self.bm
         order = self._order(order)
         dev = x[0].device
-        K, H, I = c.topk, c.hidden, c.ffn
+        H = c.hidden
         T = [int(t.shape[0]) for t in x]
         num_ctas = self._num_ctas(dev, num_ctas)
         # the peer buffers (symmetric memory on several GPUs): x, the routing, the owners' combine buffers
         xs, idxs, wts = PeerBuffers(x, dev), PeerBuffers(topk_idx, dev), PeerBuffers(topk_weight, dev)
         src_tokens = torch.tensor(T, dtype=torch.int32, device=dev)
         caps = [recv_capacity(T, T[d], c, bm) for d in range(n)]
-        ws = []
-        for d in range(n):
-            cap = caps[d]
-            e = dict(device=dev)
-            ws.append(dict(row_rank=torch.empty(cap, dtype=torch.int32, **e),
-                           row_slot=torch.empty(cap, dtype=torch.int32, **e),
-                           row_w=torch.empty(cap, dtype=torch.float32, **e),
-                           tile_group=torch.empty(cap // bm, dtype=torch.int32, **e),
-                           meta=torch.zeros(4, dtype=torch.int32, **e),
-                           slot_pos=torch.empty((T[d], K + c.shared_experts), dtype=torch.int32, **e),
-                           comb=torch.empty((T[d] * K + cap, H), dtype=torch.bfloat16, **e)))
+        ws = [self.workspace(caps[d], T[d], dev) for d in range(n)]
         slots = PeerBuffers([w["comb"] for w in ws], dev)
-        dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
-        # phase 1: routing (every source's ids and weights are readable: the callers' inputs)
-        for d in order:
-            w = ws[d]
-            call(f, "ep_routing", idx_ptrs=idxs.ptrs, w_ptrs=wts.ptrs, src_tokens=src_tokens, rank=d,
-                 row_rank=w["row_rank"], row_slot=w["row_slot"], row_w=w["row_w"], tile_group=w["tile_group"],
-                 meta=w["meta"], slot_pos=w["slot_pos"])
-        # phase 2: pull dispatch, the experts (GEMM 2 into the row-space part of the combine buffer)
-        for d in order:
-            w, cap = ws[d], caps[d]
-            xg = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
-            call(f, "ep_dispatch", x_ptrs=xs.ptrs, row_rank=w["row_rank"], row_slot=w["row_slot"], meta=w["meta"],
-                 xg=xg)
-            h = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
-            ident = torch.arange(cap, dtype=torch.int32, device=dev)   # GEMM 1 "gathers" xg's own rows
-            if training:
-                w["z"] = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
-                call(f, "gemm1_train", a=xg, w=w1[d], bias=b1[d] if b1 is not None else dummy, row=ident,
-                     tile_group=w["tile_group"], meta=w["meta"], out=h, z=w["z"], num_ctas=num_ctas)
-            else:
-                call(f, "gemm1", a=xg, w=w1[d], bias=b1[d] if b1 is not None else dummy, row=ident,
-                     tile_group=w["tile_group"], meta=w["meta"], out=h, num_ctas=num_ctas)
-            w["ys"] = w["comb"][T[d] * K:]
-            call(f, "gemm2", a=h, w=w2[d], bias=b2[d] if b2 is not None else dummy, row=w["row_w"],
-                 tile_group=w["tile_group"], meta=w["meta"], out=w["ys"], num_ctas=num_ctas)
-        # phase 3: push the routed rows into their owners' slot rows
-        for d in order:
-            w = ws[d]
-            call(f, "ep_push", ys=w["ys"], row_rank=w["row_rank"], row_slot=w["row_slot"], meta=w["meta"],
-                 slot_ptrs=slots.ptrs)
-        # phase 4: each owner's fixed-order sum
+        for d in order:   # phase 1: routing (every source's ids and weights are readable: the callers' inputs)
+            self.phase_routing(d, ws[d], idxs.ptrs, wts.ptrs, src_tokens)
+        for d in order:   # phase 2: pull dispatch, the experts (GEMM 2 into the row-space part of the combine buffer)
+            self.phase_experts(ws[d], xs.ptrs, w1[d], w2[d], None if b1 is None else b1[d],
+                               None if b2 is None else b2[d], num_ctas, training)
+        for d in order:   # phase 3: push the routed rows into their owners' slot rows
+            self.phase_push(ws[d], slots.ptrs)
         y = [torch.empty((T[r], H), dtype=torch.bfloat16, device=dev) for r in range(n)]
-        for r in order:
-            if T[r]:
-                call(f, "combine", ys=ws[r]["comb"], slot_pos=ws[r]["slot_pos"], y=y[r])
-        self.last_meta = [w["meta"] for w in ws]
-        if check and any(int(m[1]) for m in self.last_meta):
-            bad = int(self.last_meta[0][3])
-            raise RoutingError(f"mokgen ep: {bad} top-k id(s) outside [0, {n * c.local_experts}); those slots were "
-                               "dropped (contributed 0)")
-        saved = None
-        if training:
-            keep = ("row_rank", "row_slot", "row_w", "tile_group", "meta", "slot_pos", "z")
-            saved = EPSaved([{k: w[k] for k in keep} for w in ws], caps, T)
+        for r in order:   # phase 4: each owner's fixed-order sum
+            self.phase_combine(ws[r], y[r])
+        self.check_meta([w["meta"] for w in ws], check)
+        saved = EPSaved([self.saved_of(w) for w in ws], caps, T) if training else None
         return y, saved
 
     def _order(self, order: Sequence[int] | None) -> list[int]:
@@ -389,16 +434,15 @@ class EPMoE:
         expert's gradients on rank r cover rank r's tokens only (the replicas' gradients are to be summed across
         ranks, as data-parallel gradients are). Bias gradients: per destination group, as the single-GPU backward
         computes them."""
-        if not self.trainable:
-            raise RuntimeError("EPMoE: cannot train: no training kernels")
-        c, n, bm, f = self.cfg, self.ranks, self.bm, self._fns
+        self._need_training()
+        c, n = self.cfg, self.ranks
         order = self._order(order)
         T, caps = saved.tokens, saved.caps
         if len(dy) != n or any(tuple(t.shape) != (T[r], c.hidden) or t.dtype != torch.bfloat16
                                for r, t in enumerate(dy)):
             raise MoEInputError(f"ep: dy must hold one bf16 [T_r, {c.hidden}] tensor per rank ({n})")
         dev = dy[0].device
-        K, H, I, G = c.topk, c.hidden, c.ffn, c.groups
+        K, H = c.topk, c.hidden
         num_ctas = self._num_ctas(dev, num_ctas)
         dy = [t.contiguous() for t in dy]
         dys, xs = PeerBuffers(dy, dev), PeerBuffers(x, dev)
@@ -406,62 +450,81 @@ class EPMoE:
         dslots = PeerBuffers(dcomb, dev)
         # the owners' router gradients: T_r * K slots and one spare row that masked-out rows write into
         dtw_buf = [torch.zeros(T[r] * K + 1, dtype=torch.float32, device=dev) for r in range(n)]
-        dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
-        out: list[dict[str, Any]] = [dict() for _ in range(n)]
-        row_grad: list[torch.Tensor] = [None] * n   # type: ignore[list-item]
-        dxs_of: list[torch.Tensor] = [None] * n     # type: ignore[list-item]
-        for d in order:
-            sv, cap = saved.ranks[d], caps[d]
-            dog = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
-            call(f, "ep_dispatch", x_ptrs=dys.ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"],
-                 meta=sv["meta"], xg=dog)
-            dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
-            sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
-            ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
-            call(f, "dgrad1", a=dog, w=w2[d], bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"],
-                 meta=sv["meta"], out=sa, z=sv["z"], dz=dz, ds=ds, num_ctas=num_ctas)
-            onehot, group_start = group_layout(sv["tile_group"], G, bm)
-            if b2 is not None:
-                out[d]["b2"] = group_sums(onehot, sv["tile_group"], dog, bm, row_weight=sv["row_w"])
-                grp = sv["tile_group"].long().repeat_interleave(bm).clamp(min=0)
-                b2_term = torch.gather(dog.float() @ b2[d].t(), 1, grp.unsqueeze(1)).squeeze(1)
-            dw2 = torch.empty_like(w2[d])
-            call(f, "wgrad2", a=dog, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
-            dxs = dcomb[d][T[d] * K:]
-            call(f, "dgrad2", a=dz, w=w1[d], bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"],
-                 meta=sv["meta"], out=dxs, num_ctas=num_ctas)
-            xg = dog   # the dO rows are read: the buffer takes x's rows for wgrad1
-            call(f, "ep_dispatch", x_ptrs=xs.ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"],
-                 meta=sv["meta"], xg=xg)
-            dw1 = torch.empty_like(w1[d])
-            call(f, "wgrad1", a=dz, b=xg, group_start=group_start, out=dw1, num_ctas=num_ctas)
-            if b1 is not None:
-                out[d]["b1"] = group_sums(onehot, sv["tile_group"], dz, bm)
-            out[d]["w1"], out[d]["w2"] = dw1, dw2
-            row_grad[d] = ds.sum(1)   # each row's router gradient: its partials in N-tile order
-            if b2 is not None:   # + <dO row, b2[g]> of the row's group (from the dO rows, before xg reuses them)
-                row_grad[d] = row_grad[d] + b2_term
-            dxs_of[d] = dxs
-        # phase 3: dx rows and router gradients to their owners
-        for d in order:
-            sv, cap = saved.ranks[d], caps[d]
-            call(f, "ep_push", ys=dxs_of[d], row_rank=sv["row_rank"], row_slot=sv["row_slot"], meta=sv["meta"],
-                 slot_ptrs=dslots.ptrs)
-            routed = torch.arange(cap, device=dev) < sv["meta"][2]   # the shared groups' rows come after meta[2]
-            for r in range(n):
-                mine = routed & (sv["row_rank"] == r)
-                idx = torch.where(mine, sv["row_slot"].long(), T[r] * K)
-                dtw_buf[r].scatter_(0, idx, torch.where(mine, row_grad[d], 0.0))
+        spare = [T[r] * K for r in range(n)]
+        part: list[Any] = [None] * n
+        for d in order:   # phases 1-2: the dO (and x) rows pulled, the backward GEMMs
+            part[d] = self.phase_bwd_experts(saved.ranks[d], caps[d], T[d], dys.ptrs, xs.ptrs,
+                                             dcomb[d][T[d] * K:], w1[d], w2[d], None if b2 is None else b2[d],
+                                             b1 is not None, num_ctas)
+        for d in order:   # phase 3: dx rows and router gradients to their owners
+            self.phase_bwd_push(saved.ranks[d], part[d], dslots.ptrs, dtw_buf, spare)
         # phase 4: each owner's dx: its slots then its shared rows, in order
-        grads = []
-        for r in range(n):
-            dx = torch.empty((T[r], H), dtype=torch.bfloat16, device=dev)
-            if T[r]:
-                call(f, "combine", ys=dcomb[r], slot_pos=saved.ranks[r]["slot_pos"], y=dx)
-            pos = saved.ranks[r]["slot_pos"][:, :K]
-            dtw = torch.where(pos >= 0, dtw_buf[r][:T[r] * K].view(T[r], K), 0.0)
-            grads.append(R.Grads(dx, dtw, out[r]["w1"], out[r]["w2"], out[r].get("b1"), out[r].get("b2")))
-        return grads
+        return [self.phase_bwd_combine(saved.ranks[r], part[r], dcomb[r], dtw_buf[r], T[r]) for r in range(n)]
+
+    def phase_bwd_experts(self, sv: dict, cap: int, tokens: int, dy_ptrs: torch.Tensor, x_ptrs: torch.Tensor,
+                          dxs: torch.Tensor, w1, w2, b2, bias: bool, num_ctas: int) -> dict[str, Any]:
+        """Backward phases 1-2 of destination with saved workspace ``sv``: dO rows pulled, dgrad1, wgrad2, dgrad2
+        (dx rows into ``dxs``, the row-space part of its combine buffer), x rows pulled, wgrad1. Returns its
+        weight (and bias) gradients, each row's router gradient and ``dxs``."""
+        c, bm, f = self.cfg, self.bm, self._fns
+        H, I, G = c.hidden, c.ffn, c.groups
+        dev = dxs.device
+        dummy = torch.zeros((1, 1), dtype=torch.float32, device=dev)
+        out: dict[str, Any] = {"dxs": dxs, "cap": cap}
+        dog = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)
+        call(f, "ep_dispatch", x_ptrs=dy_ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"], meta=sv["meta"],
+             xg=dog)
+        dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
+        sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
+        ds = torch.empty((cap, self.ds_tiles), dtype=torch.float32, device=dev)
+        call(f, "dgrad1", a=dog, w=w2, bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"], meta=sv["meta"],
+             out=sa, z=sv["z"], dz=dz, ds=ds, num_ctas=num_ctas)
+        onehot, group_start = group_layout(sv["tile_group"], G, bm)
+        if b2 is not None:
+            out["b2"] = group_sums(onehot, sv["tile_group"], dog, bm, row_weight=sv["row_w"])
+            grp = sv["tile_group"].long().repeat_interleave(bm).clamp(min=0)
+            b2_term = torch.gather(dog.float() @ b2.t(), 1, grp.unsqueeze(1)).squeeze(1)
+        dw2 = torch.empty_like(w2)
+        call(f, "wgrad2", a=dog, b=sa, group_start=group_start, out=dw2, num_ctas=num_ctas)
+        call(f, "dgrad2", a=dz, w=w1, bias=dummy, row=sv["row_w"], tile_group=sv["tile_group"], meta=sv["meta"],
+             out=dxs, num_ctas=num_ctas)
+        xg = dog   # the dO rows are read: the buffer takes x's rows for wgrad1
+        call(f, "ep_dispatch", x_ptrs=x_ptrs, row_rank=sv["row_rank"], row_slot=sv["row_slot"], meta=sv["meta"],
+             xg=xg)
+        dw1 = torch.empty_like(w1)
+        call(f, "wgrad1", a=dz, b=xg, group_start=group_start, out=dw1, num_ctas=num_ctas)
+        if bias:
+            out["b1"] = group_sums(onehot, sv["tile_group"], dz, bm)
+        out["w1"], out["w2"] = dw1, dw2
+        out["row_grad"] = ds.sum(1)   # each row's router gradient: its partials in N-tile order
+        if b2 is not None:   # + <dO row, b2[g]> of the row's group (from the dO rows, before xg reuses them)
+            out["row_grad"] = out["row_grad"] + b2_term
+        return out
+
+    def phase_bwd_push(self, sv: dict, part: dict, dslot_ptrs: torch.Tensor, dtw_bufs: Sequence[torch.Tensor],
+                       spare: Sequence[int]) -> None:
+        """Backward phase 3 of a destination: ``ep_push`` of its routed dx rows into the owners' slot rows, each
+        row's router gradient scattered into its owner's ``dtw_bufs[r]`` (slot ``t * K + k``; rows of other owners
+        write 0 into the owner's spare element ``spare[r]``: one writer per slot)."""
+        call(self._fns, "ep_push", ys=part["dxs"], row_rank=sv["row_rank"], row_slot=sv["row_slot"],
+             meta=sv["meta"], slot_ptrs=dslot_ptrs)
+        routed = torch.arange(part["cap"], device=part["dxs"].device) < sv["meta"][2]   # shared rows after meta[2]
+        for r, buf in enumerate(dtw_bufs):
+            mine = routed & (sv["row_rank"] == r)
+            idx = torch.where(mine, sv["row_slot"].long(), spare[r])
+            buf.scatter_(0, idx, torch.where(mine, part["row_grad"], 0.0))
+
+    def phase_bwd_combine(self, sv: dict, part: dict, dcomb: torch.Tensor, dtw_buf: torch.Tensor, tokens: int
+                          ) -> R.Grads:
+        """Backward phase 4 of an owner: dx (its slots then its shared rows, in order) and dtopk_weight; with the
+        gradients of its experts (``part``, its own destination phases)."""
+        K, dev = self.cfg.topk, dcomb.device
+        dx = torch.empty((tokens, self.cfg.hidden), dtype=torch.bfloat16, device=dev)
+        if tokens:
+            call(self._fns, "combine", ys=dcomb, slot_pos=sv["slot_pos"], y=dx)
+        pos = sv["slot_pos"][:, :K]
+        dtw = torch.where(pos >= 0, dtw_buf[:tokens * K].view(tokens, K), 0.0)
+        return R.Grads(dx, dtw, part["w1"], part["w2"], part.get("b1"), part.get("b2"))
 
 
 class EPSaved:

@@ -37,11 +37,21 @@ class MoE(torch.nn.Module):
     ``compiled=`` is given. ``loss.backward()`` runs the generated backward kernels. With ``main_grad=True``,
     where ``w1.main_grad`` / ``w2.main_grad`` (fp32, the weights' shapes) exist, the weight gradients are added into
     them (Megatron-style fp32 accumulation) and ``w1.grad`` / ``w2.grad`` stay None.
+
+    Expert parallelism (``group=``, a process group of ``spec.ep`` ranks, e.g. under ``torchrun``): the module is
+    this rank's part of the layer, its L local experts then the S shared ones as Parameters (the same shapes).
+    ``forward(x, topk_idx, topk_weight)`` takes this rank's tokens (at most ``spec.tokens``) with *global* top-k
+    ids and returns their combined y; it is collective (every rank of the group calls it, and ``backward`` too).
+    The EP buffers and barrier come from :func:`mokgen.ep_dist.make_transport` on the first forward (torch
+    symmetric memory on CUDA, shared-memory files on the CPU) unless ``transport=`` is given; the kernels from the
+    compiled entry (``mokgen.ep_ops.EPMoE``) unless ``ep_layer=`` is given (e.g. the CPU reference kernels).
+    A shared expert's gradient covers this rank's tokens (sum the replicas' gradients as data-parallel ones).
     """
 
     def __init__(self, spec: Any, arch: str | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16, *, compiled: CompiledMoE | None = None,
-                 main_grad: bool = False):
+                 main_grad: bool = False, group: Any = None, ep_layer: Any = None, transport: Any = None,
+                 ep_timeout_s: float = 30.0):
         super().__init__()
         if dtype != torch.bfloat16:
             raise ValueError(f"mokgen.MoE: only bfloat16 expert weights are supported, got {dtype}")
@@ -52,6 +62,11 @@ class MoE(torch.nn.Module):
         self._compiled = compiled
         self.main_grad = bool(main_grad)
         c = self.cfg
+        self.group, self._ep_layer, self._transport, self._ep_step = group, ep_layer, transport, None
+        self.ep_timeout_s = float(ep_timeout_s)
+        self.ep_check = False   # EP: raise RoutingError on ids out of range (a host sync)
+        if group is not None and main_grad:
+            raise ValueError("mokgen.MoE: main_grad with expert parallelism (group=) is not supported")
         G, H, I = c.groups, c.hidden, c.ffn
         self.w1 = torch.nn.Parameter(torch.empty(G, 2 * I, H, device=device, dtype=dtype))
         self.w2 = torch.nn.Parameter(torch.empty(G, H, I, device=device, dtype=dtype))
@@ -92,7 +107,26 @@ class MoE(torch.nn.Module):
 
         self._compiled = _driver_compile(self.spec, self.arch)
 
+    def ep_step(self, device: torch.device) -> Any:
+        """This rank's :class:`mokgen.ep_dist.EPRank` (built on the first EP forward: collective)."""
+        if self._ep_step is None:
+            from . import ep_dist
+            from .ep_ops import EPMoE
+
+            layer = self._ep_layer
+            if layer is None:
+                comp = self.compiled
+                layer = EPMoE(self.spec, comp.plan, comp.entry_dir)
+            tp = self._transport or ep_dist.make_transport(self.group, device, self.ep_timeout_s)
+            self._ep_step = ep_dist.EPRank(layer, tp)
+        return self._ep_step
+
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            from .ep_dist import ep_moe_forward
+
+            return ep_moe_forward(x, topk_idx, topk_weight, self.w1, self.w2, self.b1, self.b2,
+                                  self.ep_step(x.device), check=self.ep_check)
         mg1 = getattr(self.w1, "main_grad", None) if self.main_grad else None
         mg2 = getattr(self.w2, "main_grad", None) if self.main_grad else None
         return moe_forward(x, topk_idx, topk_weight, self.w1, self.w2, self.b1, self.b2, moe=self.compiled,
@@ -106,4 +140,5 @@ class MoE(torch.nn.Module):
     def extra_repr(self) -> str:
         c = self.cfg
         return (f"name={getattr(self.spec, 'name', '?')}, H={c.hidden}, I={c.ffn}, groups={c.groups} "
-                f"({c.local_experts} local + {c.shared_experts} shared), topk={c.topk}, bias={c.bias}")
+                f"({c.local_experts} local + {c.shared_experts} shared), topk={c.topk}, bias={c.bias}"
+                + (f", ep={c.ep} (rank's part)" if self.group is not None else ""))
