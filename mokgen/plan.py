@@ -1946,7 +1946,11 @@ def _explain_backward(plan: Plan) -> list[str]:
         g = getattr(b, name)
         m, n, k = backward_shape(spec, name)
         shape = f"N = {n}, K = {k}" if k is not None else f"M = {m}, N = {n} per group, K = the group's rows"
-        if g.elem_bytes == 1 and name.startswith("wgrad"):
+        if g.elem_bytes == 1 and spec.dtype == "mxfp8":   # sm_100a's block-scaled tcgen05 MMA
+            form = ("MXFP8 e4m3, e8m0 scales per 32 rows of each column (quant_mx_cols_*), both operands MN-major, "
+                    "block-scaled tcgen05 MMA (wgrad*_dtype=mxfp8)" if name.startswith("wgrad") else
+                    "MXFP8 e4m3, e8m0 scales per 32 along K, block-scaled tcgen05 MMA (W's column copy MN-major)")
+        elif g.elem_bytes == 1 and name.startswith("wgrad"):
             form = (f"FP8 e4m3, both operands per 128 x 1 tile along the rows (transposed by quant_cols* / "
                     f"quant_both*), each K block promoted per element ({g.promote}"
                     + (", the tile's two 128-column halves in turn: mma_split 2" if g.mma_split == 2 else "") + ")")

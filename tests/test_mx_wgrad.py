@@ -64,6 +64,13 @@ def test_default_is_bf16_and_the_knob_opts_in():
     assert set(kernels_of(one)) == set(MX_KERNELS + MX_TRAIN) | {"quant_mx_dz_cols", "quant_mx_cols_gather"}
     two = solve(spec, "sm_100a", wgrad2_dtype="mxfp8")
     assert set(kernels_of(two)) == set(MX_KERNELS + MX_TRAIN) | {"quant_mx_sa_cols", "quant_mx_cols_gather"}
+    # plan --explain says which form each backward GEMM runs
+    from mokgen.plan import explain
+
+    text = explain(both)
+    assert text.count("block-scaled tcgen05 MMA (wgrad*_dtype=mxfp8)") == 2
+    assert "block-scaled tcgen05 MMA (wgrad*_dtype=mxfp8)" not in explain(one).split("wgrad2  ")[1].split("\n")[0]
+    assert "wgrad*_dtype" not in explain(default) and "FP8 e4m3 (A per 1x128" not in explain(default)
     # a bias keeps the gather (db2 sums the bf16 dO rows)
     assert GATHER_KERNEL in kernels_of(solve(_spec(bias=True), "sm_100a", **BOTH))
 
