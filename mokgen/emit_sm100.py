@@ -319,7 +319,7 @@ def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
     bounded form), ``quant_mx_w2_cols`` (W2 [G, H, I] with 32-blocks along H: dgrad1's B, (N = I, K = H)) and
     ``quant_mx_w1_cols`` (W1 [G, 2I, H], its rows in the spec's layout, 32-blocks along 2I: dgrad2's B, (N = H,
     K = 2I)), the column form; for MXFP8 weight gradients (plan ``wgrad*_dtype=mxfp8``) the column forms over the
-    row space, 32-row blocks down every column, padding rows as zero: ``quant_mx_cols_gather`` (x's / dO's rows
+    row space, 32-row blocks down every column, rows of routing weight 0 (padding) as zero: ``quant_mx_cols_gather`` (x's / dO's rows
     gathered, H columns: wgrad1's B, wgrad2's A), ``quant_mx_sa_cols`` (s a, I columns: wgrad2's B) and
     ``quant_mx_dz_cols`` (dz, 2I columns: wgrad1's A)."""
     if name not in MX_QUANT_TABLES:

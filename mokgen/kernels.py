@@ -337,10 +337,12 @@ ARGS.update({
     ),
     # the MXFP8 weight gradients' operands (plan wgrad*_dtype=mxfp8): rows of the padded row space quantized in
     # 32-row blocks down each column (the wgrad's K), kept in their row layout, the codes packed as the [C, rows / 32]
-    # matrix's; rows of padding (row_src -1) quantize as zero, rows past meta[0] * BM are not written
+    # matrix's; rows of routing weight 0 (padding; a weight-0 slot adds nothing to a weight gradient) quantize as
+    # zero, rows past meta[0] * BM are not written
     "quant_mx_cols_gather": (
         _t("x", "bf16", "tokens", "C_COLS", doc="[T, C] bf16 token rows (x; dO)"),
-        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes as zero)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row"),
+        _t("row_w", "fp32", "rows", doc="[rows] routing weight of each padded row (0: padding, quantizes as zero)"),
         _META,
         _t("q", "u8", "rows", "C_COLS", written=True, doc="[rows, C] e4m3 bits of the gathered rows (the used rows)"),
         _t("sf", "u8", "sf_bytes", written=True, doc="e8m0 codes of the (32 rows, column) blocks of the used rows, "
@@ -348,7 +350,7 @@ ARGS.update({
     ),
     "quant_mx_cols_used": (
         _t("x", "bf16", "rows", "C_COLS", doc="[rows, C] bf16 rows of the padded row space (dz; s a)"),
-        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes as zero)"),
+        _t("row_w", "fp32", "rows", doc="[rows] routing weight of each padded row (0: padding, quantizes as zero)"),
         _META,
         _t("q", "u8", "rows", "C_COLS", written=True, doc="[rows, C] e4m3 bits (the used rows, meta[0] * BM)"),
         _t("sf", "u8", "sf_bytes", written=True, doc="e8m0 codes of the (32 rows, column) blocks of the used rows, "

@@ -10,7 +10,7 @@ helpers, as :mod:`mokgen.fp8_ops` is for the blockwise FP8 ones.
   :func:`reference_quant_kernels` binds them (``kernels.bind``) under the entry's kernel names.
 * ``ref_quant_mx_cols_gather`` / ``ref_quant_mx_cols_used``: the MXFP8 weight gradients' operands (plan
   ``wgrad*_dtype=mxfp8``): rows of the padded row space quantized in 32-row blocks down each column (the wgrad's K),
-  q in the row layout, the codes packed as the [C, rows / 32] matrix's; padding rows (row_src -1) as zero.
+  q in the row layout, the codes packed as the [C, rows / 32] matrix's; rows of routing weight 0 (padding) as zero.
 * :func:`quantize_gathered_rows`, :func:`quantize_used_rows`, :func:`quantize_w`, :func:`quantize_w_cols`:
   allocate the outputs (e4m3 bits as uint8, the packed codes as a flat uint8 buffer) and launch a kernel of
   ``fns`` (a loaded library's functions, or the reference's) through ``kernels.call``, on the current torch
@@ -115,20 +115,19 @@ def _write_cols(rows: torch.Tensor, keep: torch.Tensor, q: torch.Tensor, sf: tor
     sf[fp8.mx_sf_offset(c, rb, q.shape[0] // MX)] = e
 
 
-def ref_quant_mx_cols_gather(x, row_src, meta, q, sf, *, bm: int) -> None:
-    """quant_mx_cols_gather: the used rows r < meta[0] * bm of the row space, x[row_src[r]] (zero where row_src is
-    -1), quantized in 32-row blocks down each column; q [rows, C] in the row layout; codes packed over the columns
+def ref_quant_mx_cols_gather(x, row_src, row_w, meta, q, sf, *, bm: int) -> None:
+    """quant_mx_cols_gather: the used rows r < meta[0] * bm of the row space, x[row_src[r]] (zero where row_w is 0:
+    padding, or a slot routed with weight 0, whose dz / s a rows are zero), quantized in 32-row blocks down each column; q [rows, C] in the row layout; codes packed over the columns
     (the [C, rows / 32] matrix's). The other rows and their code bytes are not written."""
     n = min(int(meta[0]) * bm, row_src.shape[0], q.shape[0])
-    src = row_src[:n].long()
-    _write_cols(x[src.clamp(min=0)], src >= 0, q, sf)
+    _write_cols(x[row_src[:n].long().clamp(min=0)], row_w[:n] != 0, q, sf)
 
 
-def ref_quant_mx_cols_used(x, row_src, meta, q, sf, *, bm: int) -> None:
+def ref_quant_mx_cols_used(x, row_w, meta, q, sf, *, bm: int) -> None:
     """quant_mx_sa_cols / quant_mx_dz_cols (table quant_mx_cols_used): the used rows x[:meta[0] * bm] (zero where
-    row_src is -1) quantized in 32-row blocks down each column, as :func:`ref_quant_mx_cols_gather`."""
+    row_w is 0) quantized in 32-row blocks down each column, as :func:`ref_quant_mx_cols_gather`."""
     n = min(int(meta[0]) * bm, x.shape[0], q.shape[0])
-    _write_cols(x[:n], row_src[:n] >= 0, q, sf)
+    _write_cols(x[:n], row_w[:n] != 0, q, sf)
 
 
 def reference_quant_kernels(bm: int, gate_up_layout: str = "concat") -> dict[str, Callable[..., None]]:
@@ -146,9 +145,9 @@ def reference_quant_kernels(bm: int, gate_up_layout: str = "concat") -> dict[str
         "quant_mx_w2": bind("quant_mx_w2", lambda w, q, sf: ref_quant_mx_w(w, q, sf), table="quant_mx_w"),
         "quant_mx_w1_cols": bind("quant_mx_w1_cols", ref_quant_mx_w_cols, table="quant_mx_w_cols"),
         "quant_mx_w2_cols": bind("quant_mx_w2_cols", ref_quant_mx_w_cols, table="quant_mx_w_cols"),
-        "quant_mx_cols_gather": bind("quant_mx_cols_gather", lambda x, row_src, meta, q, sf:
-                                     ref_quant_mx_cols_gather(x, row_src, meta, q, sf, bm=bm)),
-        **{k: bind(k, lambda x, row_src, meta, q, sf: ref_quant_mx_cols_used(x, row_src, meta, q, sf, bm=bm),
+        "quant_mx_cols_gather": bind("quant_mx_cols_gather", lambda x, row_src, row_w, meta, q, sf:
+                                     ref_quant_mx_cols_gather(x, row_src, row_w, meta, q, sf, bm=bm)),
+        **{k: bind(k, lambda x, row_w, meta, q, sf: ref_quant_mx_cols_used(x, row_w, meta, q, sf, bm=bm),
                    table="quant_mx_cols_used") for k in ("quant_mx_sa_cols", "quant_mx_dz_cols")},
     }
 
@@ -269,19 +268,19 @@ def _cols_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str,
 
 
 def quantize_gathered_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
-                           meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           row_w: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [T, C] (C % 128 == 0) -> (q uint8 [rows, C], sf uint8 [C * rows / 32]) by ``quant_mx_cols_gather``:
-    the row space's used rows x[row_src[r]] (padding rows zero) quantized in 32-row blocks down each column; the
+    the row space's used rows x[row_src[r]] (rows of weight row_w 0, the padding, zero) quantized in 32-row blocks down each column; the
     other rows and their code bytes uninitialized. wgrad1's B (x's rows) and wgrad2's A (dO's rows)."""
     _check("mx_ops.quantize_gathered_cols", "x", x, 2, {1: 4 * MX})
     return _cols_launch(fns, "quant_mx_cols_gather", "quant_mx_cols_gather", x, row_src.shape[0], row_src=row_src,
-                        meta=meta)
+                        row_w=row_w, meta=meta)
 
 
-def quantize_used_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
+def quantize_used_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_w: torch.Tensor,
                        meta: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [rows, C] of the padded row space -> (q, sf) of its used rows in 32-row blocks down each column by
     ``kernel`` (``quant_mx_sa_cols``: s a, wgrad2's B; ``quant_mx_dz_cols``: dz, wgrad1's A; table
-    ``quant_mx_cols_used``); padding rows (row_src -1) quantize as zero."""
+    ``quant_mx_cols_used``); rows of weight row_w 0 (the padding) quantize as zero."""
     _check("mx_ops.quantize_used_cols", "x", x, 2, {1: 4 * MX})
-    return _cols_launch(fns, kernel, "quant_mx_cols_used", x, x.shape[0], row_src=row_src, meta=meta)
+    return _cols_launch(fns, kernel, "quant_mx_cols_used", x, x.shape[0], row_w=row_w, meta=meta)

@@ -1160,8 +1160,8 @@ class CompiledMoE:
                          out=o, num_ctas=num_ctas)
                     return
                 if "wgrad1" in wm:   # dz and the x rows (gathered: no bf16 copy) in 32-row blocks down the columns
-                    dzc, dzcsf = mx_ops.quantize_used_cols(f, dz, sv.row_src, sv.meta, "quant_mx_dz_cols")
-                    xc, xcsf = mx_ops.quantize_gathered_cols(f, x, sv.row_src, sv.meta)
+                    dzc, dzcsf = mx_ops.quantize_used_cols(f, dz, sv.row_w, sv.meta, "quant_mx_dz_cols")
+                    xc, xcsf = mx_ops.quantize_gathered_cols(f, x, sv.row_src, sv.row_w, sv.meta)
                     call(f, kernel, table=kernel + "_mx", a=dzc, sfa=dzcsf, b=xc, sfb=xcsf, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                     return
@@ -1176,8 +1176,8 @@ class CompiledMoE:
                     call(f, kernel, table=kernel + "_fp8", a=dOt, sa=dOs, b=sat, sb=sas, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                 elif "wgrad2" in wm:   # dO's rows (gathered) and s a in 32-row blocks down the columns
-                    dOc, dOcsf = mx_ops.quantize_gathered_cols(f, dy, sv.row_src, sv.meta)
-                    sac, sacsf = mx_ops.quantize_used_cols(f, sa, sv.row_src, sv.meta, "quant_mx_sa_cols")
+                    dOc, dOcsf = mx_ops.quantize_gathered_cols(f, dy, sv.row_src, sv.row_w, sv.meta)
+                    sac, sacsf = mx_ops.quantize_used_cols(f, sa, sv.row_w, sv.meta, "quant_mx_sa_cols")
                     call(f, kernel, table=kernel + "_mx", a=dOc, sfa=dOcsf, b=sac, sfb=sacsf, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                 else:

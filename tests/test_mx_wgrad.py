@@ -131,23 +131,22 @@ def test_render():
             assert "in MXFP8 (e4m3, e8m0 scales per 32 rows)" in m and "in MXFP8" not in d, name
     for k, cols in (("quant_mx_cols_gather", H), ("quant_mx_dz_cols", 2 * I), ("quant_mx_sa_cols", I)):
         text = both[f"{k}.py"]
-        assert f"C_COLS = {cols} " in text and "if src < 0:" in text, k
-        assert ("cutlass.max(src, 0)" in text) == (k == "quant_mx_cols_gather"), k
+        assert f"C_COLS = {cols} " in text and "if mRowW[kb * SF_VEC + i] == cutlass.Float32(0.0):" in text, k
+        assert ("mRowSrc[kb * SF_VEC + i]" in text) == (k == "quant_mx_cols_gather"), k
 
 
 # ---- the column quantizers: the rendered arithmetic = quantize_mx, bit for bit ---------------------------------
 
 
-def emulate_rows_cols_quantizer(text: str, x: torch.Tensor, row_src: torch.Tensor, n: int, rows: int,
-                                gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def emulate_rows_cols_quantizer(text: str, x: torch.Tensor, row_src: torch.Tensor, row_w: torch.Tensor, n: int,
+                                rows: int, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The row-space column quantizer's math on the CPU (templates/sm100/quant_mx.py.j2 rows_gather / rows_used):
-    rows r < n of the row space (x[row_src[r]] gathered or x[r]; zero where row_src is -1), per (32-row block,
+    rows r < n of the row space (x[row_src[r]] gathered or x[r]; zero where row_w is 0), per (32-row block,
     column) its amax, code and inverse (kernel_e8m0: the template's e8m0_code on int32 bits), q = e4m3(v * inv), the
     code bytes at the rendered `off = ...` expression. Bytes of rows >= n: 0x7F / 255 (never written)."""
     C = x.shape[1]
-    src = row_src[:n].long()
-    v = (x[src.clamp(min=0)] if gather else x[:n]).float()
-    v = torch.where((src >= 0).view(-1, 1), v, torch.zeros(()))
+    v = (x[row_src[:n].long().clamp(min=0)] if gather else x[:n]).float()
+    v = torch.where((row_w[:n] != 0).view(-1, 1), v, torch.zeros(()))
     vb = v.view(n // 32, 32, C)
     c, inv = kernel_e8m0(vb.abs().amax(1))                                   # [n / 32, C]
     q = torch.full((rows, C), 0x7F, dtype=torch.uint8)
@@ -160,19 +159,30 @@ def emulate_rows_cols_quantizer(text: str, x: torch.Tensor, row_src: torch.Tenso
 
 
 def _row_space(counts, bm=128):
-    """row_src of a padded row space whose groups hold `counts` rows (tokens 0, 1, ... in row order), padded to
-    bm, plus an unused routing tile at the end (stale row_src); meta[0] the used tiles."""
-    parts, tok = [], 0
+    """row_src / row_w of a padded row space as the routing kernel writes it: groups holding `counts` rows (tokens
+    0, 1, ... in row order, weights in (0.1, 1); one real row of weight 0), padded to bm with rows of token 0 and
+    weight 0, plus an unused routing tile at the end (stale values); `real` marks the routed rows; meta[0] the used
+    tiles."""
+    srcs, ws, tok = [], [], 0
+    g = torch.Generator().manual_seed(sum(counts))
     for c in counts:
         padded = -(-c // bm) * bm
-        r = torch.full((padded,), -1, dtype=torch.int32)
+        r = torch.zeros((padded,), dtype=torch.int32)
         r[:c] = torch.arange(tok, tok + c, dtype=torch.int32)
-        parts.append(r)
+        w = torch.zeros((padded,))
+        w[:c] = 0.1 + 0.9 * torch.rand(c, generator=g)
+        srcs.append(r)
+        ws.append(w)
         tok += c
-    used = sum(p.shape[0] for p in parts)
-    row_src = torch.cat(parts + [torch.full((bm,), 7, dtype=torch.int32)])   # an unused tile (stale row_src)
+    used = sum(p.shape[0] for p in srcs)
+    row_src = torch.cat(srcs + [torch.full((bm,), 7, dtype=torch.int32)])   # an unused tile (stale values)
+    row_w = torch.cat(ws + [torch.full((bm,), 0.5)])
+    real = row_w != 0
+    real[used:] = False
+    if tok > 3:
+        row_w[int((row_src[:used] == 3).nonzero()[0])] = 0.0                 # a slot routed with weight 0
     meta = torch.tensor([used // bm, 0, 0, 0], dtype=torch.int32)
-    return row_src, meta, used
+    return row_src, row_w, real, meta, used
 
 
 @pytest.mark.parametrize("kernel,counts", [
@@ -192,22 +202,22 @@ def test_cols_quantizer_math_equals_quantize_mx(kernel, counts):
     text = render_quant_mx(plan, kernel)
     C = {"quant_mx_cols_gather": H, "quant_mx_dz_cols": 2 * I, "quant_mx_sa_cols": I}[kernel]
     gather = kernel == "quant_mx_cols_gather"
-    row_src, meta, n = _row_space(counts, plan.bm)
+    row_src, row_w, real, meta, n = _row_space(counts, plan.bm)
     rows = row_src.shape[0]
     # the row space's values: boundary rows turned so that their 32-blocks run down the columns (amax on every
     # binade edge, zero blocks, subnormals, half-way and saturating values), columns taken cyclically
     bt = boundary_rows(rows).t()                                             # [rows, m]
     space = bt[:, torch.arange(C) % bt.shape[1]].contiguous()
-    real = row_src >= 0
     if gather:   # token rows: the real rows' values, in token order (padding rows read token 0: ignored)
         src = space[real].contiguous()
+        assert src.shape[0] == int(row_src[:n].max()) + 1 == sum(counts)
     else:        # the row space itself; garbage (huge values) in the padding rows must not reach the amax
         src = space.clone()
-        src[~real] = 3.0e38
-    q_e, sf_e = emulate_rows_cols_quantizer(text, src, row_src, n, rows, gather)
+        src[row_w == 0] = 3.0e38
+    q_e, sf_e = emulate_rows_cols_quantizer(text, src, row_src, row_w, n, rows, gather)
     # quantize_mx, group by group, of the rows as the wgrad reduces them (padding rows zero)
     vals = (src[row_src[:n].long().clamp(min=0)] if gather else src[:n]).float()
-    vals = torch.where((row_src[:n] >= 0).view(-1, 1), vals, torch.zeros(()))
+    vals = torch.where((row_w[:n] != 0).view(-1, 1), vals, torch.zeros(()))
     qr, er = fp8.quantize_mx(vals.t())                                       # [C, n], [C, n / 32]
     assert torch.equal(q_e[:n], qr.view(torch.uint8).t())
     full = fp8.pack_mx_scales(torch.cat([er, torch.full((C, (rows - n) // 32), 255, dtype=torch.uint8)], 1))
@@ -217,12 +227,12 @@ def test_cols_quantizer_math_equals_quantize_mx(kernel, counts):
     fns = mx_ops.reference_quant_kernels(plan.bm)
     q = torch.full((rows, C), 0x7F, dtype=torch.uint8)
     sf = torch.full((fp8.mx_sf_bytes(C, rows // 32),), 255, dtype=torch.uint8)
-    fns[kernel](*((src, row_src, meta, q, sf)))
+    fns[kernel](*((src, row_src, row_w, meta, q, sf) if gather else (src, row_w, meta, q, sf)))
     assert torch.equal(q, q_e) and torch.equal(sf, sf_e)
     if gather:
-        q2, sf2 = mx_ops.quantize_gathered_cols(fns, src, row_src, meta)
+        q2, sf2 = mx_ops.quantize_gathered_cols(fns, src, row_src, row_w, meta)
     else:
-        q2, sf2 = mx_ops.quantize_used_cols(fns, src, row_src, meta, kernel)
+        q2, sf2 = mx_ops.quantize_used_cols(fns, src, row_w, meta, kernel)
     assert torch.equal(q2[:n], q_e[:n])
     assert torch.equal(mx_ops.dequantize_cols(q2, sf2, n).double(), fp8.dequantize_mx(qr, er, out_dtype=torch.float64).t())
 
@@ -233,21 +243,21 @@ def test_block_scaled_product_from_the_packed_bytes():
     product of quantize_mx's operands (rel. 1e-12) and the reference step ref_wgrad_mx within fp32 rounding."""
     plan = solve(_spec(), "sm_100a", **BOTH)
     counts = (33, 0, 128, 1)
-    row_src, meta, n = _row_space(counts, plan.bm)
+    row_src, row_w, _, meta, n = _row_space(counts, plan.bm)
     rows = row_src.shape[0]
     g = torch.Generator().manual_seed(4)
     A = torch.randn(rows, 256, generator=g).bfloat16() * torch.exp2(torch.randint(-8, 8, (rows, 1), generator=g))
     B = torch.randn(rows, 128, generator=g).bfloat16()
     fns = mx_ops.reference_quant_kernels(plan.bm)
-    qa, sfa = mx_ops.quantize_used_cols(fns, A.bfloat16(), row_src, meta, "quant_mx_dz_cols")
-    qb, sfb = mx_ops.quantize_used_cols(fns, B, row_src, meta, "quant_mx_sa_cols")
+    qa, sfa = mx_ops.quantize_used_cols(fns, A.bfloat16(), row_w, meta, "quant_mx_dz_cols")
+    qb, sfb = mx_ops.quantize_used_cols(fns, B, row_w, meta, "quant_mx_sa_cols")
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + -(-c // plan.bm) * plan.bm)
     gs = torch.tensor(starts, dtype=torch.int32)
     out = torch.empty(len(counts), 256, 128, dtype=torch.float32)
     R.ref_wgrad_mx(qa, sfa, qb, sfb, gs, out, 1)
-    keep = (row_src[:n] >= 0).view(-1, 1)
+    keep = (row_w[:n] != 0).view(-1, 1)
     for gi in range(len(counts)):
         r0, r1 = starts[gi], starts[gi + 1]
         za = qa.clone()
@@ -342,7 +352,7 @@ def test_training_step(case, main_grad):
     got = {}
     for k, args in calls:
         if k in WGRAD_Q:
-            got.setdefault(k, []).append((args[3], args[4]))
+            got.setdefault(k, []).append((args[-2], args[-1]))   # q, sf
         if k.startswith("wgrad"):
             gs = args[4]
     rows_used = int(gs[-1])
@@ -353,8 +363,10 @@ def test_training_step(case, main_grad):
     gl = gs.tolist()
     want1 = torch.stack([dz_c[r0:r1].t() @ x_c[r0:r1] for r0, r1 in zip(gl, gl[1:])])
     want2 = torch.stack([dO_c[r0:r1].t() @ sa_c[r0:r1] for r0, r1 in zip(gl, gl[1:])])
-    # padding rows quantized as zero: the operands' rows of padding (row_src -1) are exactly zero
-    pad = s1.row_src[:rows_used] < 0
+    # padding rows quantized as zero: the operands' rows of padding (routing weight 0; row_src 0, token 0's row,
+    # in the gathered ones) are exactly zero
+    pad = s1.row_w[:rows_used] == 0
+    assert bool(pad.any()) and bool((s1.row_src[:rows_used][pad] == 0).all())
     for t in (dO_c, x_c, dz_c, sa_c):
         assert not bool(t[pad].any())
     if main_grad:
