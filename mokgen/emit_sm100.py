@@ -210,11 +210,12 @@ def emit_sm100(plan: Plan) -> Sources:
     render = Renderer(plan)
     bw = plan.backward
     render.routing()
-    if mx:   # x's rows gathered by the quantizer; h quantized between the GEMMs; W1 / W2 once
-        for name in MX_QUANT + (MX_QUANT_BACKWARD if bw is not None else ()):
+    if mx:   # x's rows gathered by the quantizer; h quantized between the GEMMs; W1 / W2 once; the MXFP8 weight
+        # gradients' column quantizers (plan wgrad*_dtype=mxfp8)
+        for name in MX_QUANT + (MX_QUANT_BACKWARD if bw is not None else ()) + kernels.mx_wgrad_quantizers(plan):
             render.files[f"{name}.py"] = render_quant_mx(plan, name)
-    if not mx or bw is not None:   # MXFP8 training: the bf16 dO / x rows of the weight gradients
-        render.gather()
+    if not mx or (bw is not None and kernels.gather_in_training(plan)):   # MXFP8 training: the bf16 dO / x rows of
+        render.gather()                                                    # the BF16 weight gradients (and db2)
     render.files["gemm1.py"] = render_grouped_gemm(plan, 1)
     render.files["gemm2.py"] = render_grouped_gemm(plan, 2)
     render.combine()
@@ -236,7 +237,7 @@ def emit_sm100(plan: Plan) -> Sources:
         for name in WGRADS:
             t = tiles[name]
             tile = dict(bn=t.bn, bk=t.bk, stages=t.stages, epi_n=t.epi_n, epi_stages=t.epi_stages,
-                        raster=getattr(bw, name).raster_group)
+                        raster=getattr(bw, name).raster_group, mx=t.mx)
             for acc in (False, True):
                 render.files[f"{name}{'_acc' if acc else ''}.py"] = render_wgrad(plan, name, accumulate=acc, **tile)
     return render.sources()
@@ -248,12 +249,14 @@ WGRADS = ("wgrad1", "wgrad2")
 
 def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 256, bk: int = 64,
                  stages: int | None = None, epi_n: int = WGRAD_EPI[0], epi_stages: int = WGRAD_EPI[1],
-                 raster: int = 8) -> dict[str, Any]:
+                 raster: int = 8, mx: bool = False) -> dict[str, Any]:
     """The render context of templates/sm100/wgrad.py.j2 for the weight gradient `which`: wgrad1 dW1[g] = dzᵀ xg
     (M = 2I, N = H), wgrad2 dW2[g] = dOgᵀ (s a) (M = H, N = I), the reduction over each group's rows (varlen-K);
     ``accumulate``: the fp32 main_grad form (table ``<which>_acc``). The tile is given here (an sm_100a plan has
     no backward section yet): BM 128 (the UMMA M), `bn` columns, `bk` rows per stage, as many stages as fit
-    unless `stages` is given."""
+    unless `stages` is given. ``mx``: the MXFP8 form (dtype mxfp8 specs, plan ``wgrad*_dtype=mxfp8``; table
+    ``<which>[_acc]_mx``): e4m3 operands with e8m0 scales per 32 rows, the block-scaled MMA, 128 x 128 tiles, K step
+    128."""
     if which not in WGRADS:
         raise EmitError(f"render_wgrad: which is 'wgrad1' or 'wgrad2', got {which!r}")
     if plan.arch != "sm_100a":
@@ -265,17 +268,23 @@ def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 
     H, I = spec.hidden, spec.ffn
     m_out, n_out = (2 * I, H) if which == "wgrad1" else (H, I)
     what = f"plan.backward.{which}"
+    if mx and spec.dtype != "mxfp8":
+        raise EmitError(f"{what}: the MXFP8 weight gradient (wgrad*_dtype=mxfp8) belongs to dtype mxfp8 specs, got "
+                        f"{spec.dtype!r}")
     if stages is None:
-        stages = fit_stages(plan, bn, bk, epi_n, epi_stages)
-    _check_tile(plan, what, Tile(1, bn, bk, stages, epi_n, epi_stages))
+        stages = Tile(1, bn, bk, 0, epi_n, epi_stages, mx=mx).stages_fit(smem_limit(plan))
+    _check_tile(plan, what, Tile(1, bn, bk, stages, epi_n, epi_stages, mx=mx))
+    if mx and plan.bm % 128:
+        raise EmitError(f"{what}.bk: the MXFP8 weight gradient needs routing tiles of whole 128-row scale atoms, got "
+                        f"{plan.bm}")
     if bk % 16 or plan.bm % bk:
         raise EmitError(f"{what}.bk: {bk} must be a multiple of the UMMA K (16) dividing the routing tile {plan.bm} "
                         f"(every group starts on a multiple of it)")
     if bn % epi_n or (accumulate and n_out % epi_n):
         raise EmitError(f"{what}.epi_n: {epi_n} must divide the tile's {bn} columns"
                         + (f" and N {n_out} (the fp32 read-add-write goes by whole slices)" if accumulate else ""))
-    table = which + ("_acc" if accumulate else "")
-    return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], m_out=m_out, n_out=n_out,
+    table = which + ("_acc" if accumulate else "") + ("_mx" if mx else "")
+    return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], mx=mx, m_out=m_out, n_out=n_out,
                 groups=spec.groups, group_m=plan.bm, accumulate=accumulate, bm=UMMA_M, bn=bn, bk=bk, stages=stages,
                 acc_stages=ACC_STAGES, epi_n=epi_n, epi_stages=epi_stages, raster=raster,
                 m_tiles=-(-m_out // UMMA_M), n_tiles=-(-n_out // bn), clc=CLC)
@@ -289,6 +298,7 @@ def render_wgrad(plan: Plan, which: str, *, accumulate: bool = False, name: str 
     spec = plan.spec
     what = ("dW1[g] = dz^T . xg (2I x H)" if which == "wgrad1" else "dW2[g] = dOg^T . (s a) (H x I)")
     title = (f"{name} of {spec.name} (sm_100a): {what} per group, reduced over the group's rows"
+             + (" in MXFP8 (e4m3, e8m0 scales per 32 rows)" if params["mx"] else "")
              + (", added into the fp32 main_grad" if accumulate else ", bf16"))
     return _environment().get_template(WGRAD_TEMPLATE).render(
         header=_header(plan, WGRAD_TEMPLATE, template_hash()), name=name, spec_name=spec.name, title=title, **params)
@@ -297,7 +307,8 @@ def render_wgrad(plan: Plan, which: str, *, accumulate: bool = False, name: str 
 QUANT_MX_TEMPLATE = "sm100/quant_mx.py.j2"
 MX_QUANT = tuple(kernels.MX_QUANT_KERNELS)   # quant_mx_gather, quant_mx_used, quant_mx_w1, quant_mx_w2
 MX_QUANT_BACKWARD = tuple(kernels.MX_QUANT_BACKWARD)   # quant_mx_dz, quant_mx_w2_cols, quant_mx_w1_cols
-MX_QUANT_TABLES = {**kernels.MX_QUANT_KERNELS, **kernels.MX_QUANT_BACKWARD}
+MX_QUANT_WGRAD = tuple(kernels.MX_QUANT_WGRAD)   # quant_mx_cols_gather, quant_mx_sa_cols, quant_mx_dz_cols
+MX_QUANT_TABLES = {**kernels.MX_QUANT_KERNELS, **kernels.MX_QUANT_BACKWARD, **kernels.MX_QUANT_WGRAD}
 
 
 def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
@@ -307,7 +318,10 @@ def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
     ``quant_mx_w2`` (W2 [G, H, I]); for training: ``quant_mx_dz`` (dz's used rows -> dgrad2's A, K = 2I: the
     bounded form), ``quant_mx_w2_cols`` (W2 [G, H, I] with 32-blocks along H: dgrad1's B, (N = I, K = H)) and
     ``quant_mx_w1_cols`` (W1 [G, 2I, H], its rows in the spec's layout, 32-blocks along 2I: dgrad2's B, (N = H,
-    K = 2I)), the column form."""
+    K = 2I)), the column form; for MXFP8 weight gradients (plan ``wgrad*_dtype=mxfp8``) the column forms over the
+    row space, 32-row blocks down every column, rows of routing weight 0 (padding) as zero: ``quant_mx_cols_gather`` (x's / dO's rows
+    gathered, H columns: wgrad1's B, wgrad2's A), ``quant_mx_sa_cols`` (s a, I columns: wgrad2's B) and
+    ``quant_mx_dz_cols`` (dz, 2I columns: wgrad1's A)."""
     if name not in MX_QUANT_TABLES:
         raise EmitError(f"render_quant_mx: unknown kernel {name!r}; the MXFP8 quantizers are "
                         f"{', '.join(MX_QUANT_TABLES)}")
@@ -318,14 +332,17 @@ def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
     H, I = spec.hidden, spec.ffn
     table = MX_QUANT_TABLES[name]
     form = {"quant_mx_gather": "gather", "quant_mx_used": "used", "quant_mx_dz": "used",
-            "quant_mx_w2_cols": "cols", "quant_mx_w1_cols": "cols"}.get(name, "w")
+            "quant_mx_w2_cols": "cols", "quant_mx_w1_cols": "cols", "quant_mx_cols_gather": "rows_gather",
+            "quant_mx_sa_cols": "rows_used", "quant_mx_dz_cols": "rows_used"}.get(name, "w")
     k_dim = {"quant_mx_gather": H, "quant_mx_used": I, "quant_mx_w1": H, "quant_mx_w2": I, "quant_mx_dz": 2 * I,
-             "quant_mx_w2_cols": H, "quant_mx_w1_cols": 2 * I}[name]
+             "quant_mx_w2_cols": H, "quant_mx_w1_cols": 2 * I, "quant_mx_cols_gather": H, "quant_mx_sa_cols": I,
+             "quant_mx_dz_cols": 2 * I}[name]
     if k_dim % 128:
         raise EmitError(f"render_quant_mx: K = {k_dim} is not a multiple of 128 (spec: mxfp8 needs it)")
     # the column form: w [G, R_ROWS, C_COLS] with R_ROWS the dgrad's K (= k_dim), C_COLS its N
-    c_cols = {"quant_mx_w2_cols": I, "quant_mx_w1_cols": H}.get(name, 0)
-    if form == "cols" and c_cols % 128:
+    # the row-space column forms: x [rows | T, C_COLS], C_COLS = k_dim (the wgrad's M or N; K is the rows)
+    c_cols = {"quant_mx_w2_cols": I, "quant_mx_w1_cols": H}.get(name, k_dim if form.startswith("rows_") else 0)
+    if form in ("cols", "rows_gather", "rows_used") and c_cols % 128:
         raise EmitError(f"render_quant_mx: {name}'s {c_cols} columns are not a multiple of 128 (spec: mxfp8 needs it)")
     return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], form=form, k_dim=k_dim, bm=plan.bm,
                 threads=256, groups=spec.groups, n_rows=2 * I if name == "quant_mx_w1" else H,
@@ -340,7 +357,10 @@ def render_quant_mx(plan: Plan, name: str) -> str:
             "quant_mx_used": "h's used rows (GEMM 2's A)", "quant_mx_w1": "W1 (concat row order)", "quant_mx_w2": "W2",
             "quant_mx_dz": "dz's used rows (dgrad2's A)",
             "quant_mx_w2_cols": "W2 [G, H, I] along H (dgrad1's B, read MN-major as (N = I, K = H))",
-            "quant_mx_w1_cols": "W1 [G, 2I, H] along 2I (dgrad2's B, read MN-major as (N = H, K = 2I))"}[name]
+            "quant_mx_w1_cols": "W1 [G, 2I, H] along 2I (dgrad2's B, read MN-major as (N = H, K = 2I))",
+            "quant_mx_cols_gather": "x's / dO's rows gathered, 32-row blocks down each column (wgrad1's B, wgrad2's A)",
+            "quant_mx_sa_cols": "s a's used rows, 32-row blocks down each column (wgrad2's B)",
+            "quant_mx_dz_cols": "dz's used rows, 32-row blocks down each column (wgrad1's A)"}[name]
     title = f"{name} of {plan.spec.name} (sm_100a): MXFP8 quantization of {what}"
     return _environment().get_template(QUANT_MX_TEMPLATE).render(
         header=_header(plan, QUANT_MX_TEMPLATE, template_hash()), name=name, spec_name=plan.spec.name, title=title,

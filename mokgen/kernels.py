@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "FP8_LAYER_KERNELS", "FP8_WGRAD_KERNELS", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "names", "table_key", "call", "bind"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "FP8_LAYER_KERNELS", "FP8_WGRAD_KERNELS", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "MX_QUANT_WGRAD", "MX_WGRAD_QUANT", "mx_wgrads", "mx_wgrad_quantizers", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
 CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32",
@@ -124,8 +124,24 @@ _WGRAD_ACC = _WGRAD[:3] + (
     _NUM_CTAS,
 )
 
+# the MXFP8 weight-gradient GEMMs (dtype mxfp8, sm_100a, plan wgrad*_dtype=mxfp8): both operands in their row
+# layout (read MN-major), e4m3 bytes with one e8m0 code per 32 rows of a column, packed as the [columns, rows / 32]
+# matrix's codes in the SF atoms (quant_mx_cols_*; mokgen.fp8.mx_sf_offset)
+_WGRAD_MX_IN = (
+    _t("a", "u8", "rows", "M_OUT", doc="[rows, M_OUT] e4m3 bits of the left operand's rows (32-row blocks quantized "
+       "down each column)"),
+    _t("sfa", "u8", "sfa_bytes", doc="e8m0 codes of a's (32 rows, column) blocks, packed as an [M_OUT, rows / 32] "
+       "matrix's (M_OUT * rows / 32 bytes)"),
+    _t("b", "u8", "rows", "N_OUT", doc="[rows, N_OUT] e4m3 bits of the right operand's rows"),
+    _t("sfb", "u8", "sfb_bytes", doc="e8m0 codes of b's (32 rows, column) blocks, packed as an [N_OUT, rows / 32] "
+       "matrix's"),
+    _t("group_start", "int32", "GROUPS + 1", doc="[GROUPS + 1] first row of each group (multiples of GROUP_M)",
+       align=4),
+)
 _WGRAD_FP8 = _WGRAD_FP8_IN + _WGRAD[3:]
 _WGRAD_FP8_ACC = _WGRAD_FP8_IN + _WGRAD_ACC[3:]
+_WGRAD_MX = _WGRAD_MX_IN + _WGRAD[3:]
+_WGRAD_MX_ACC = _WGRAD_MX_IN + _WGRAD_ACC[3:]
 
 # the column quantizers' outputs (the FP8 wgrads' operands): x transposed in e4m3 bits, its 128 x 1 tile scales
 _QT = _t("qt", "u8", "cols", "rows", written=True, doc="[K, rows] e4m3 bits of x transposed (the used rows' columns)")
@@ -208,6 +224,7 @@ ARGS: dict[str, tuple[Arg, ...]] = {
     "wgrad1_acc": _WGRAD_ACC,
     "wgrad2_acc": _WGRAD_ACC,
     **{f"wgrad{i}{sfx}_fp8": t for i in (1, 2) for sfx, t in (("", _WGRAD_FP8), ("_acc", _WGRAD_FP8_ACC))},
+    **{f"wgrad{i}{sfx}_mx": t for i in (1, 2) for sfx, t in (("", _WGRAD_MX), ("_acc", _WGRAD_MX_ACC))},
     "fused": (
         _t("x", "bf16", "tokens", "HIDDEN", doc="[T, H] token rows"),
         _t("w1", "bf16", "GROUPS", "2 * FFN", "HIDDEN", doc="[GROUPS, 2 FFN, H] (gate/up layout from W1_N / W1_P)"),
@@ -318,6 +335,27 @@ ARGS.update({
         _t("sf", "u8", "GROUPS * C_COLS * R_ROWS // 32", written=True,
            doc="e8m0 codes of the (32 rows, column) blocks, packed per group over the C columns as SF rows (K = R)"),
     ),
+    # the MXFP8 weight gradients' operands (plan wgrad*_dtype=mxfp8): rows of the padded row space quantized in
+    # 32-row blocks down each column (the wgrad's K), kept in their row layout, the codes packed as the [C, rows / 32]
+    # matrix's; rows of routing weight 0 (padding; a weight-0 slot adds nothing to a weight gradient) quantize as
+    # zero, rows past meta[0] * BM are not written
+    "quant_mx_cols_gather": (
+        _t("x", "bf16", "tokens", "C_COLS", doc="[T, C] bf16 token rows (x; dO)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row"),
+        _t("row_w", "fp32", "rows", doc="[rows] routing weight of each padded row (0: padding, quantizes as zero)"),
+        _META,
+        _t("q", "u8", "rows", "C_COLS", written=True, doc="[rows, C] e4m3 bits of the gathered rows (the used rows)"),
+        _t("sf", "u8", "sf_bytes", written=True, doc="e8m0 codes of the (32 rows, column) blocks of the used rows, "
+           "packed as the [C, rows / 32] matrix's"),
+    ),
+    "quant_mx_cols_used": (
+        _t("x", "bf16", "rows", "C_COLS", doc="[rows, C] bf16 rows of the padded row space (dz; s a)"),
+        _t("row_w", "fp32", "rows", doc="[rows] routing weight of each padded row (0: padding, quantizes as zero)"),
+        _META,
+        _t("q", "u8", "rows", "C_COLS", written=True, doc="[rows, C] e4m3 bits (the used rows, meta[0] * BM)"),
+        _t("sf", "u8", "sf_bytes", written=True, doc="e8m0 codes of the (32 rows, column) blocks of the used rows, "
+           "packed as the [C, rows / 32] matrix's"),
+    ),
 })
 # expert parallelism (issue 22, mokgen/ep_ops.py; templates/sm90/ep_*.py.j2): the kernels of one rank of the
 # pull-dispatch / push-combine protocol. Peer buffers are passed as int64 base addresses ([RANKS] device tensors:
@@ -374,6 +412,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
                                                            "dgrad2_mx")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},
     **{f"wgrad{i}{sfx}_fp8": {"rows": "GROUP_M", "kblocks": None} for i in (1, 2) for sfx in ("", "_acc")},
+    **{f"wgrad{i}{sfx}_mx": {"rows": "GROUP_M", "sfa_bytes": None, "sfb_bytes": None} for i in (1, 2)
+       for sfx in ("", "_acc")},
     # the scale tensors' block counts (ceil(K / 128), ...) are symbols of their own: the kernels index them and
     # never read their extents (a symbolic size takes no arithmetic in compile())
     "quant_rows": {"rows": None, "cols": "16", "cblocks": None},
@@ -390,6 +430,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "quant_mx_used": {"rows": "BM", "sf_bytes": None},
     "quant_mx_w": {},
     "quant_mx_w_cols": {},
+    "quant_mx_cols_gather": {"tokens": None, "rows": "BM", "sf_bytes": None},
+    "quant_mx_cols_used": {"rows": "BM", "sf_bytes": None},
 }
 SYMBOLS.update({"ep_routing": {"tokens": None, "rows": "BM", "tiles": None}, "ep_dispatch": {"rows": "BM"},
                 "ep_push": {"rows": "BM"}})
@@ -408,6 +450,13 @@ MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quan
 # quant_mx_gather's: K = H as x's), W2 / W1 with their 32-blocks along H / 2I (the dgrads' B, MN-major)
 MX_QUANT_BACKWARD = {"quant_mx_dz": "quant_mx_used", "quant_mx_w2_cols": "quant_mx_w_cols",
                      "quant_mx_w1_cols": "quant_mx_w_cols"}
+# ... and the MXFP8 weight gradients' (plan wgrad*_dtype=mxfp8): 32-row blocks down the columns of the row space's
+# operands: x's and dO's rows gathered (K = H: one kernel for both), s a (I columns) and dz (2I) from the row space
+MX_QUANT_WGRAD = {"quant_mx_cols_gather": "quant_mx_cols_gather", "quant_mx_sa_cols": "quant_mx_cols_used",
+                  "quant_mx_dz_cols": "quant_mx_cols_used"}
+# the quantizers each MXFP8 weight gradient needs: wgrad1 = dz^T x rows, wgrad2 = dO rows^T (s a)
+MX_WGRAD_QUANT = {"wgrad1": ("quant_mx_dz_cols", "quant_mx_cols_gather"),
+                  "wgrad2": ("quant_mx_cols_gather", "quant_mx_sa_cols")}
 
 
 def uses_gather_kernel(plan: Any, training: bool = False) -> bool:
@@ -420,11 +469,13 @@ def uses_gather_kernel(plan: Any, training: bool = False) -> bool:
 
 
 def gather_in_training(plan: Any) -> bool:
-    """Does the training step of a chain plan launch the ``gather`` kernel? BF16 / MXFP8: yes (the backward's bf16
-    rows of dO and x for the BF16 weight gradients, and gemm1_train's rows where it reads TMA tiles). FP8: only for
+    """Does the training step of a chain plan launch the ``gather`` kernel? BF16: yes (the backward's bf16 rows of dO
+    and x for the BF16 weight gradients, and gemm1_train's rows where it reads TMA tiles). FP8 / MXFP8: only for
     a BF16 weight gradient or db2 (the bias gradient sums the bf16 dO rows); with both weight gradients in FP8 and
     no bias, the quantizers gather every row the step needs (quant_*_gather)."""
     spec = getattr(plan, "spec", None)
+    if getattr(spec, "dtype", "bf16") == "mxfp8":   # likewise with both weight gradients in MXFP8
+        return len(mx_wgrads(plan)) < 2 or bool(getattr(spec, "bias", False))
     if getattr(spec, "dtype", "bf16") != "fp8":
         return True
     return len(fp8_wgrads(plan)) < 2 or bool(getattr(spec, "bias", False))
@@ -436,6 +487,21 @@ def fp8_wgrads(plan: Any) -> tuple[str, ...]:
     if backward is None or getattr(getattr(plan, "spec", None), "dtype", "bf16") != "fp8":
         return ()
     return tuple(n for n in ("wgrad1", "wgrad2") if getattr(getattr(backward, n), "elem_bytes", 2) == 1)
+
+
+def mx_wgrads(plan: Any) -> tuple[str, ...]:
+    """The weight gradients a plan runs in MXFP8 (dtype mxfp8 on sm_100a, plan ``wgrad*_dtype=mxfp8``: their
+    GemmPlan's e4m3 operands)."""
+    backward = getattr(plan, "backward", None)
+    if backward is None or getattr(getattr(plan, "spec", None), "dtype", "bf16") != "mxfp8":
+        return ()
+    return tuple(n for n in ("wgrad1", "wgrad2") if getattr(getattr(backward, n), "elem_bytes", 2) == 1)
+
+
+def mx_wgrad_quantizers(plan: Any) -> tuple[str, ...]:
+    """The column quantizers an MXFP8 plan's MXFP8 weight gradients launch (none with BF16 weight gradients)."""
+    w = mx_wgrads(plan)
+    return tuple(k for k in MX_QUANT_WGRAD if any(k in MX_WGRAD_QUANT[n] for n in w))
 
 
 def names(kernel: str) -> tuple[str, ...]:

@@ -8,10 +8,13 @@ helpers, as :mod:`mokgen.fp8_ops` is for the blockwise FP8 ones.
   finds quantize_mx / pack_mx_scales bit for bit, and tests/test_mx_runtime.py checks these steps against those
   emulations byte for byte). Bytes a kernel does not write (rows past the used ones) are left untouched here too.
   :func:`reference_quant_kernels` binds them (``kernels.bind``) under the entry's kernel names.
+* ``ref_quant_mx_cols_gather`` / ``ref_quant_mx_cols_used``: the MXFP8 weight gradients' operands (plan
+  ``wgrad*_dtype=mxfp8``): rows of the padded row space quantized in 32-row blocks down each column (the wgrad's K),
+  q in the row layout, the codes packed as the [C, rows / 32] matrix's; rows of routing weight 0 (padding) as zero.
 * :func:`quantize_gathered_rows`, :func:`quantize_used_rows`, :func:`quantize_w`, :func:`quantize_w_cols`:
   allocate the outputs (e4m3 bits as uint8, the packed codes as a flat uint8 buffer) and launch a kernel of
   ``fns`` (a loaded library's functions, or the reference's) through ``kernels.call``, on the current torch
-  stream.
+  stream; :func:`quantize_gathered_cols` / :func:`quantize_used_cols` the weight gradients' column forms.
 
 Imports torch, mokgen.fp8 and mokgen.kernels only (the runtime side: no compiler, no CuTe DSL).
 """
@@ -27,14 +30,17 @@ from .kernels import bind, call
 
 __all__ = ["ref_quant_mx_gather", "ref_quant_mx_used", "ref_quant_mx_w", "ref_quant_mx_w_cols",
            "reference_quant_kernels", "quantize_gathered_rows", "quantize_used_rows", "quantize_w",
-           "quantize_w_cols", "scales_of_rows", "dequantize_rows", "dequantize_w", "dequantize_w_cols",
-           "MX_FORWARD_QUANT", "MX_BACKWARD_QUANT"]
+           "quantize_w_cols", "quantize_gathered_cols", "quantize_used_cols", "ref_quant_mx_cols_gather",
+           "ref_quant_mx_cols_used", "dequantize_cols", "scales_of_rows", "dequantize_rows", "dequantize_w", "dequantize_w_cols",
+           "MX_FORWARD_QUANT", "MX_BACKWARD_QUANT", "MX_WGRAD_QUANT"]
 
 MX = fp8.MX_BLOCK   # 32 elements of K per e8m0 code
 # the entry's MXFP8 quantizer kernels (name -> argument table): mokgen/kernels.py MX_QUANT_KERNELS and
 # MX_QUANT_BACKWARD
 MX_FORWARD_QUANT = ("quant_mx_gather", "quant_mx_used", "quant_mx_w1", "quant_mx_w2")
 MX_BACKWARD_QUANT = ("quant_mx_dz", "quant_mx_w2_cols", "quant_mx_w1_cols")
+# ... and the MXFP8 weight gradients' (plan wgrad*_dtype=mxfp8; mokgen/kernels.py MX_QUANT_WGRAD)
+MX_WGRAD_QUANT = ("quant_mx_cols_gather", "quant_mx_sa_cols", "quant_mx_dz_cols")
 
 
 def _bits(q: torch.Tensor) -> torch.Tensor:
@@ -94,6 +100,36 @@ def ref_quant_mx_w_cols(w, q, sf) -> None:
     sf.copy_(fp8.pack_mx_scales(e).flatten())
 
 
+def _write_cols(rows: torch.Tensor, keep: torch.Tensor, q: torch.Tensor, sf: torch.Tensor) -> None:
+    """q[:n] and the codes of the used rows ``rows`` [n, C] (n % 32 == 0) of a row space of q.shape[0] rows,
+    quantized in 32-row blocks down each column, rows where ``keep`` is False as zero; the codes at
+    mx_sf_offset(c, rb, q.shape[0] / 32) (the [C, rows / 32] matrix's)."""
+    n, C = rows.shape
+    if n == 0:
+        return
+    x = torch.where(keep.view(-1, 1), rows.float(), torch.zeros((), dtype=torch.float32, device=rows.device))
+    qq, e = fp8.quantize_mx(x.t())                                     # [C, n], [C, n / 32]
+    q[:n] = _bits(qq).t()
+    c = torch.arange(C, device=sf.device).view(-1, 1)
+    rb = torch.arange(n // MX, device=sf.device).view(1, -1)
+    sf[fp8.mx_sf_offset(c, rb, q.shape[0] // MX)] = e
+
+
+def ref_quant_mx_cols_gather(x, row_src, row_w, meta, q, sf, *, bm: int) -> None:
+    """quant_mx_cols_gather: the used rows r < meta[0] * bm of the row space, x[row_src[r]] (zero where row_w is 0:
+    padding, or a slot routed with weight 0, whose dz / s a rows are zero), quantized in 32-row blocks down each column; q [rows, C] in the row layout; codes packed over the columns
+    (the [C, rows / 32] matrix's). The other rows and their code bytes are not written."""
+    n = min(int(meta[0]) * bm, row_src.shape[0], q.shape[0])
+    _write_cols(x[row_src[:n].long().clamp(min=0)], row_w[:n] != 0, q, sf)
+
+
+def ref_quant_mx_cols_used(x, row_w, meta, q, sf, *, bm: int) -> None:
+    """quant_mx_sa_cols / quant_mx_dz_cols (table quant_mx_cols_used): the used rows x[:meta[0] * bm] (zero where
+    row_w is 0) quantized in 32-row blocks down each column, as :func:`ref_quant_mx_cols_gather`."""
+    n = min(int(meta[0]) * bm, x.shape[0], q.shape[0])
+    _write_cols(x[:n], row_w[:n] != 0, q, sf)
+
+
 def reference_quant_kernels(bm: int, gate_up_layout: str = "concat") -> dict[str, Callable[..., None]]:
     """{kernel name: positional step} of the entry's MXFP8 quantizers, in their argument tables' order (``bm``:
     the routing tile meta[0] counts; ``gate_up_layout``: W1's, which quant_mx_w1 reorders to concat)."""
@@ -109,6 +145,10 @@ def reference_quant_kernels(bm: int, gate_up_layout: str = "concat") -> dict[str
         "quant_mx_w2": bind("quant_mx_w2", lambda w, q, sf: ref_quant_mx_w(w, q, sf), table="quant_mx_w"),
         "quant_mx_w1_cols": bind("quant_mx_w1_cols", ref_quant_mx_w_cols, table="quant_mx_w_cols"),
         "quant_mx_w2_cols": bind("quant_mx_w2_cols", ref_quant_mx_w_cols, table="quant_mx_w_cols"),
+        "quant_mx_cols_gather": bind("quant_mx_cols_gather", lambda x, row_src, row_w, meta, q, sf:
+                                     ref_quant_mx_cols_gather(x, row_src, row_w, meta, q, sf, bm=bm)),
+        **{k: bind(k, lambda x, row_w, meta, q, sf: ref_quant_mx_cols_used(x, row_w, meta, q, sf, bm=bm),
+                   table="quant_mx_cols_used") for k in ("quant_mx_sa_cols", "quant_mx_dz_cols")},
     }
 
 
@@ -144,6 +184,16 @@ def dequantize_w_cols(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     e = fp8.unpack_mx_scales(sf.view(G, -1), N, K // MX)                   # [G, N, K / 32]
     s = fp8.mx_scale_values(e, torch.float32).repeat_interleave(MX, dim=2)  # [G, N, K]
     return q.view(fp8.E4M3).float() * s.transpose(1, 2)
+
+
+def dequantize_cols(q: torch.Tensor, sf: torch.Tensor, rows: int) -> torch.Tensor:
+    """float32 values of rows [0, rows) of the row-space column form q [R, C] (bits; 32-row blocks down each
+    column) whose codes are packed as the [C, R / 32] matrix's (read by address: mx_sf_offset)."""
+    R, C = q.shape
+    c = torch.arange(C, device=sf.device).view(-1, 1)
+    rb = torch.arange(rows // MX, device=sf.device).view(1, -1)
+    s = fp8.mx_scale_values(sf[fp8.mx_sf_offset(c, rb, R // MX)], torch.float32)        # [C, rows / 32]
+    return q[:rows].view(fp8.E4M3).float() * s.t().repeat_interleave(MX, dim=0)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -204,3 +254,33 @@ def quantize_w_cols(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kern
         with _stream(w):
             call(fns, kernel, table="quant_mx_w_cols", w=w, q=q, sf=sf)
     return q, sf
+
+
+def _cols_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str, x: torch.Tensor, rows: int,
+                 **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    C = x.shape[1]
+    q = torch.empty((rows, C), dtype=torch.uint8, device=x.device)
+    sf = torch.empty((fp8.mx_sf_bytes(C, rows // MX),), dtype=torch.uint8, device=x.device)
+    if rows and C and x.shape[0]:
+        with _stream(x):
+            call(fns, kernel, table=table, x=x, **kw, q=q, sf=sf)
+    return q, sf
+
+
+def quantize_gathered_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
+                           row_w: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [T, C] (C % 128 == 0) -> (q uint8 [rows, C], sf uint8 [C * rows / 32]) by ``quant_mx_cols_gather``:
+    the row space's used rows x[row_src[r]] (rows of weight row_w 0, the padding, zero) quantized in 32-row blocks down each column; the
+    other rows and their code bytes uninitialized. wgrad1's B (x's rows) and wgrad2's A (dO's rows)."""
+    _check("mx_ops.quantize_gathered_cols", "x", x, 2, {1: 4 * MX})
+    return _cols_launch(fns, "quant_mx_cols_gather", "quant_mx_cols_gather", x, row_src.shape[0], row_src=row_src,
+                        row_w=row_w, meta=meta)
+
+
+def quantize_used_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_w: torch.Tensor,
+                       meta: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [rows, C] of the padded row space -> (q, sf) of its used rows in 32-row blocks down each column by
+    ``kernel`` (``quant_mx_sa_cols``: s a, wgrad2's B; ``quant_mx_dz_cols``: dz, wgrad1's A; table
+    ``quant_mx_cols_used``); rows of weight row_w 0 (the padding) quantize as zero."""
+    _check("mx_ops.quantize_used_cols", "x", x, 2, {1: 4 * MX})
+    return _cols_launch(fns, kernel, "quant_mx_cols_used", x, x.shape[0], row_w=row_w, meta=meta)

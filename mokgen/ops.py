@@ -121,9 +121,10 @@ def kernels_of(plan: Any) -> tuple[str, ...]:
         return FUSED_KERNELS
     fp8 = FP8_KERNELS if is_fp8(plan) else ()
     if is_mxfp8(plan):   # x's rows gathered by quant_mx_gather; the training entry adds gather (bf16 rows for the
-        if has_training(plan):   # BF16 weight gradients) and the backward's quantizers
-            return ("routing", GATHER_KERNEL, "gemm1", "gemm2", "combine") + MX_KERNELS + TRAIN_KERNELS \
-                + MX_TRAIN_KERNELS
+        if has_training(plan):   # BF16 weight gradients) and the backward's quantizers (and the MXFP8 wgrads')
+            return ("routing",) + ((GATHER_KERNEL,) if gather_in_training(plan) else ()) \
+                + ("gemm1", "gemm2", "combine") + MX_KERNELS + TRAIN_KERNELS + MX_TRAIN_KERNELS \
+                + kernels.mx_wgrad_quantizers(plan)
         return KERNELS + MX_KERNELS
     if has_training(plan):
         return ("routing",) + ((GATHER_KERNEL,) if gather_in_training(plan) else ()) + ("gemm1", "gemm2", "combine") \
@@ -570,8 +571,9 @@ class CompiledMoE:
             raise ValueError(f"functions lacks kernel(s) {missing}")
         # training needs the training kernels (a built entry of a chain plan has them; injected functions may)
         self.fp8_wgrads = fp8_wgrads(plan)
+        self.mx_wgrads = kernels.mx_wgrads(plan)   # plan wgrad*_dtype=mxfp8
         train = TRAIN_KERNELS + ((GATHER_KERNEL,) if gather_in_training(plan) else ()) \
-            + (MX_TRAIN_KERNELS if self.mx else ()) \
+            + (MX_TRAIN_KERNELS + kernels.mx_wgrad_quantizers(plan) if self.mx else ()) \
             + (FP8_WGRAD_KERNELS if self.fp8_wgrads else ())
         self.trainable = not self.fused and all(n in functions for n in train)
         self._fns = {n: functions[n] for n in self.kernels + (train if self.trainable else ())}
@@ -963,18 +965,23 @@ class CompiledMoE:
         # An FP8 weight gradient's operands are quantized along the rows (128 x 1, transposed): dO and dz with
         # their 1x128 row form from one read (quant_both_*), s a and the x rows right before it; a BF16 one reads
         # the gathered bf16 dO / x rows
+        # An MXFP8 weight gradient's operands (plan wgrad*_dtype=mxfp8) are quantized in 32-row blocks down the
+        # columns right before it: dO's rows gathered and s a for wgrad2, dz and x's rows gathered for wgrad1
         w8 = self.fp8_wgrads
+        wm = self.mx_wgrads
         if self.fp8:
             q_dO = ("quant_both_gather_dO",) if "wgrad2" in w8 else ("quant_rows_gather",)
             q_dz, q_dz2 = ("quant_both_used_dz",) if "wgrad1" in w8 else ("quant_rows_used",), ()
         else:
             q_dO = ("quant_mx_gather",) if self.mx else ()
             q_dz, q_dz2 = (), ("quant_mx_dz",) if self.mx else ()
-        gather_dO = () if "wgrad2" in w8 and not self.cfg.bias else ("gather_dO",)
+        gather_dO = () if ("wgrad2" in w8 or "wgrad2" in wm) and not self.cfg.bias else ("gather_dO",)
         head = gather_dO + q_dO + ("dgrad1",) + q_dz
         dgrad2 = q_dz2 + ("dgrad2", "combine_dx")
-        wgrad2 = (("quant_cols_used_sa",) if "wgrad2" in w8 else ()) + ("wgrad2",)
-        wgrad1 = (("quant_cols_gather_x",) if "wgrad1" in w8 else ("gather_x",)) + ("wgrad1",)
+        wgrad2 = (("quant_cols_used_sa",) if "wgrad2" in w8 else ("quant_mx_cols_gather_dO", "quant_mx_sa_cols")
+                  if "wgrad2" in wm else ()) + ("wgrad2",)
+        wgrad1 = (("quant_cols_gather_x",) if "wgrad1" in w8 else ("quant_mx_dz_cols", "quant_mx_cols_gather_x")
+                  if "wgrad1" in wm else ("gather_x",)) + ("wgrad1",)
         if self._bwd_streams == 2:   # host order: the side stream's weight gradients are launched first
             return fwd + head + wgrad2 + wgrad1 + dgrad2
         return fwd + head + wgrad2 + dgrad2 + wgrad1
@@ -1099,9 +1106,11 @@ class CompiledMoE:
         # small torch reductions (router and bias gradients) are queued before the last two kernels, so the host
         # is ahead of the GPU at the end of the step (bench/NOTES.md v7). Stream order keeps every dependency.
         w8 = self.fp8_wgrads
+        wm = self.mx_wgrads   # MXFP8 weight gradients (plan wgrad*_dtype=mxfp8)
         with self._stream(dev):
             buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
-            if "wgrad2" not in w8 or b2 is not None:   # the bf16 dO rows: BF16 wgrad2's operand, db2's
+            if ("wgrad2" not in w8 and "wgrad2" not in wm) or b2 is not None:   # the bf16 dO rows: BF16 wgrad2's
+                # operand, db2's
                 call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
             dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
@@ -1150,6 +1159,12 @@ class CompiledMoE:
                     call(f, kernel, table=kernel + "_fp8", a=dzt, sa=dzts, b=xt, sb=xs, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                     return
+                if "wgrad1" in wm:   # dz and the x rows (gathered: no bf16 copy) in 32-row blocks down the columns
+                    dzc, dzcsf = mx_ops.quantize_used_cols(f, dz, sv.row_w, sv.meta, "quant_mx_dz_cols")
+                    xc, xcsf = mx_ops.quantize_gathered_cols(f, x, sv.row_src, sv.row_w, sv.meta)
+                    call(f, kernel, table=kernel + "_mx", a=dzc, sfa=dzcsf, b=xc, sfb=xcsf, group_start=group_start,
+                         out=o, num_ctas=num_ctas)
+                    return
                 call(f, GATHER_KERNEL, x=x, row_src=sv.row_src, meta=sv.meta, xg=buf)
                 call(f, kernel, a=dz, b=buf, group_start=group_start, out=o, num_ctas=num_ctas)
 
@@ -1159,6 +1174,11 @@ class CompiledMoE:
                 if "wgrad2" in w8:   # s a's columns in e4m3 (128 x 1 tiles), transposed; dO's made before dgrad1
                     sat, sas = fp8_ops.quantize_used_cols(f, sa, sv.meta)
                     call(f, kernel, table=kernel + "_fp8", a=dOt, sa=dOs, b=sat, sb=sas, group_start=group_start,
+                         out=o, num_ctas=num_ctas)
+                elif "wgrad2" in wm:   # dO's rows (gathered) and s a in 32-row blocks down the columns
+                    dOc, dOcsf = mx_ops.quantize_gathered_cols(f, dy, sv.row_src, sv.row_w, sv.meta)
+                    sac, sacsf = mx_ops.quantize_used_cols(f, sa, sv.row_w, sv.meta, "quant_mx_sa_cols")
+                    call(f, kernel, table=kernel + "_mx", a=dOc, sfa=dOcsf, b=sac, sfb=sacsf, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                 else:
                     call(f, kernel, a=buf, b=sa, group_start=group_start, out=o, num_ctas=num_ctas)

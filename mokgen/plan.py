@@ -995,7 +995,10 @@ def _tcgen05_clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> di
 
 def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
     """The plan of an arch whose GEMMs are mokgen/emit_sm100.py's tcgen05 kernels (arch.py: has_tcgen05; sm_100a):
-    the forward in their form and the backward with the default tiles."""
+    the forward in their form and the backward with the default tiles; ``wgrad*_dtype`` (mxfp8 specs): a weight
+    gradient in MXFP8 (:func:`_tcgen05_mx_wgrads`)."""
+    wgrad_dtypes = {k: overrides[k] for k in WGRAD_DTYPE_KEYS if k in overrides}
+    overrides = {k: v for k, v in overrides.items() if k not in wgrad_dtypes}
     for key, value in overrides.items():
         if key in TCGEN05_ONLY and value != TCGEN05_ONLY[key]:
             raise PlanError(f"plan.{key}: the {arch} kernels run {key} {TCGEN05_ONLY[key]!r} only so far, "
@@ -1056,6 +1059,7 @@ def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
     plan = dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=backward, notes=notes)
     if spec.dtype == "mxfp8":
         plan = _tcgen05_mxfp8(plan)
+    plan = _tcgen05_mx_wgrads(plan, wgrad_dtypes)
     plan = _settle_streams(plan, overrides.get("bwd_streams"))
     _tcgen05_budgets(plan, overrides)
     return plan
@@ -1138,6 +1142,53 @@ def _tcgen05_mxfp8(plan: Plan) -> Plan:
             f"tile N {MX_BN[1] // 2} per part (GEMM 1) / {MX_BN[2]} (GEMM 2, dgrad1, dgrad2: W read MN-major by the "
             f"dgrads); the weight gradients BF16 from the bf16 tensors")
     return dataclasses.replace(plan, backward=backward, notes=plan.notes + (note,), **gemms)
+
+
+# MXFP8 weight gradients on tcgen05 (plan ``wgrad1_dtype`` / ``wgrad2_dtype`` = "mxfp8", dtype mxfp8 specs; opt-in:
+# nothing of it has run on a GPU, so the default stays the BF16 weight gradients, as Hopper's FP8 weight gradients
+# were opt-in until measured, bench/NOTES.md v16-v17): both operands e4m3 with one e8m0 code per 32 rows of a column
+# (the wgrad's K), 128 x 128 tiles (one SF atom of A's and of B's columns per K step), K step 128 rows (4 scales: a
+# whole atom; the routing tile is a multiple of it, so no 32-row block straddles two groups).
+TCGEN05_WGRAD_DTYPES = ("bf16", "mxfp8")
+MX_WGRAD_BN = 128
+
+
+def _tcgen05_mx_wgrads(plan: Plan, wgrad_dtypes: Mapping[str, Any]) -> Plan:
+    """The ``wgrad*_dtype`` overrides of an sm_100a plan: "bf16" (the default) or "mxfp8" (dtype mxfp8 specs with
+    a backward), each refused in one line otherwise."""
+    a = get_arch(plan.arch)
+    spec = plan.spec
+    for key in WGRAD_DTYPE_KEYS:
+        if key not in wgrad_dtypes:
+            continue
+        value = wgrad_dtypes[key]
+        name = key.removesuffix("_dtype")
+        if value not in TCGEN05_WGRAD_DTYPES:
+            hint = " (blockwise FP8 weight gradients are sm_90a's, dtype fp8)" if value == "fp8" else ""
+            raise PlanError(f"plan.{key}: the {plan.arch} weight gradients are one of "
+                            f"{', '.join(TCGEN05_WGRAD_DTYPES)}, got {value!r}{hint}")
+        if value == "bf16":
+            continue
+        if spec.dtype != "mxfp8":
+            raise PlanError(f"plan.{key}: MXFP8 weight gradients are a choice of dtype mxfp8 specs, this one is "
+                            f"{spec.dtype}")
+        if plan.backward is None:
+            raise PlanError(f"plan.{key}: this plan has no backward kernels")
+        if plan.bm % MX_BK:
+            raise PlanError(f"plan.{key}: MXFP8 weight gradients step K by {MX_BK} rows inside a routing tile, got "
+                            f"routing tiles of {plan.bm} rows")
+        g = getattr(plan.backward, name)
+        m_out, n_out = (2 * spec.ffn, spec.hidden) if name == "wgrad1" else (spec.hidden, spec.ffn)
+        tile = _sm100.Tile(1, MX_WGRAD_BN, MX_BK, 0, *_sm100.WGRAD_EPI, mx=True)
+        w = dataclasses.replace(g, bn=MX_WGRAD_BN, bk=MX_BK, elem_bytes=1,
+                                stages=tile.stages_fit(a.smem_per_cta, most=MX_MAX_STAGES),
+                                n_tiles=-(-n_out // MX_WGRAD_BN))
+        note = (f"overrides: {key}=mxfp8: {name} (M = {m_out}, N = {n_out}) on the block-scaled tcgen05 MMA, e4m3 "
+                f"operands with e8m0 scales per 32 rows (the reduction), 128 x {MX_WGRAD_BN} tiles, K step {MX_BK} "
+                f"rows; never run on a GPU")
+        plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **{name: w}),
+                                   notes=plan.notes + (note,))
+    return plan
 
 
 def _explain_mx_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
@@ -1907,7 +1958,11 @@ def _explain_backward(plan: Plan) -> list[str]:
         g = getattr(b, name)
         m, n, k = backward_shape(spec, name)
         shape = f"N = {n}, K = {k}" if k is not None else f"M = {m}, N = {n} per group, K = the group's rows"
-        if g.elem_bytes == 1 and name.startswith("wgrad"):
+        if g.elem_bytes == 1 and spec.dtype == "mxfp8":   # sm_100a's block-scaled tcgen05 MMA
+            form = ("MXFP8 e4m3, e8m0 scales per 32 rows of each column (quant_mx_cols_*), both operands MN-major, "
+                    "block-scaled tcgen05 MMA (wgrad*_dtype=mxfp8)" if name.startswith("wgrad") else
+                    "MXFP8 e4m3, e8m0 scales per 32 along K, block-scaled tcgen05 MMA (W's column copy MN-major)")
+        elif g.elem_bytes == 1 and name.startswith("wgrad"):
             form = (f"FP8 e4m3, both operands per 128 x 1 tile along the rows (transposed by quant_cols* / "
                     f"quant_both*), each K block promoted per element ({g.promote}"
                     + (", the tile's two 128-column halves in turn: mma_split 2" if g.mma_split == 2 else "") + ")")

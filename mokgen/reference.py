@@ -420,8 +420,16 @@ def backward(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None
     return Grads(dx, dS.reshape(T, K), dw1, dw2, db1, db2)
 
 
+def _mx_cols(t: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """t [n, C] quantized in 32-row blocks down each column (rows padded with zeros to a multiple of 32: a group's
+    padding rows, which quantize as zero), dequantized exactly in ``dtype``, the padding dropped."""
+    n = t.shape[0]
+    pad = torch.cat([t, t.new_zeros((-n % 32, t.shape[1]))]) if n % 32 else t
+    return _mx_values(pad.t(), dtype).t()[:n]
+
+
 def backward_mx(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=None,
-                dtype=torch.float64) -> Grads:
+                dtype=torch.float64, mx_wgrads: tuple[str, ...] = ()) -> Grads:
     """The MXFP8 training step's ground truth (spec dtype "mxfp8"), in ``dtype``: the gradients the MXFP8
     kernels compute, up to their accumulation order. Per routed slot (t, k) of expert e, weight w:
 
@@ -431,7 +439,9 @@ def backward_mx(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=N
       H: quant_mx_w2_cols); dz = act'(z) * w dA', stored in bf16; dS = <dA', a>;
     * dgrad2: dx_t += Q(dz) Qc(W1[e]) (dz quantized along 2I; W1 in 32-blocks along 2I in the spec's layout);
     * the BF16 weight gradients on the bf16 tensors: dW2[e] += dy_t^T bf16(w a), dW1[e] += dz^T x_t; db1 += dz,
-      db2 += w dy_t.
+      db2 += w dy_t; ``mx_wgrads`` (plan ``wgrad*_dtype=mxfp8``): those named on the operands quantized in 32-row
+      blocks down each column, the expert's rows in token order from its first (Qr: :func:`_mx_cols`):
+      dW1[e] = Qr(dz)^T Qr(x_e), dW2[e] = Qr(dy_e)^T Qr(bf16(w a)).
 
     Q: quantize_mx along the last dim then dequantize, exactly; Qc: the same down the columns. Shared experts as
     in :func:`backward` (w = 1, no dS)."""
@@ -466,9 +476,11 @@ def backward_mx(dy, x, topk_idx, topk_weight, w1, w2, spec_or_cfg, b1=None, b2=N
             dx.add_(dxg)
         else:
             dx.index_add_(0, t, dxg)
-        dw1[g] += dz.t() @ sel(xb)
+        dw1[g] += (_mx_cols(dz, dtype).t() @ _mx_cols(sel(xb), dtype) if "wgrad1" in mx_wgrads
+                   else dz.t() @ sel(xb))
         sa = _bf16(a if w is None else a * w.unsqueeze(1))
-        dw2[g] += sel(dyb).t() @ sa
+        dw2[g] += (_mx_cols(sel(dyb), dtype).t() @ _mx_cols(sa, dtype) if "wgrad2" in mx_wgrads
+                   else sel(dyb).t() @ sa)
         if db1 is not None:
             db1[g] += dz.sum(0)
         if db2 is not None:
@@ -900,9 +912,36 @@ def ref_wgrad_fp8(a, sa, b, sb, group_start, out, num_ctas, *, accumulate: bool 
             out[g] = val.to(out.dtype)
 
 
+def ref_wgrad_mx(a, sfa, b, sfb, group_start, out, num_ctas, *, accumulate: bool = False) -> None:
+    """The MXFP8 weight gradient (tables ``wgrad*_mx`` / ``wgrad*_acc_mx``, plan ``wgrad*_dtype=mxfp8``): out[g]
+    (=, or += in fp32) the sum over the group's rows of a[r]ᵀ b[r] on the dequantized operands, a [rows, M] / b
+    [rows, N] e4m3 bits in 32-row blocks down each column (quant_mx_cols_*) with their codes packed as the
+    [M | N, rows / 32] matrices' (read by address). The products of e4m3 values times powers of two summed in
+    float64 (exact up to 2**16 terms of a row block), rounded once to fp32: the ideal accumulator of the
+    block-scaled MMA, whose internal order is not public (a kernel is compared with it within a tolerance)."""
+    from .mx_ops import dequantize_cols
+
+    gs = group_start.tolist()
+    rows = gs[-1]
+    if rows == 0:
+        if not accumulate:
+            out.zero_()
+        return
+    da = dequantize_cols(a, sfa, rows).double()
+    db = dequantize_cols(b, sfb, rows).double()
+    for g in range(len(gs) - 1):
+        r0, r1 = gs[g], gs[g + 1]
+        val = (da[r0:r1].t() @ db[r0:r1]).float()
+        if accumulate:
+            if r1 > r0:   # a group with no rows leaves its main_grad untouched
+                out[g] += val
+        else:
+            out[g] = val.to(out.dtype)
+
+
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
                       training: bool = False, fp8_wgrads: tuple[str, ...] = (),
-                      gather_train: bool | None = None) -> dict[str, Callable[..., None]]:
+                      gather_train: bool | None = None, mx_wgrads: tuple[str, ...] = ()) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
     from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
@@ -913,11 +952,15 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     same names with its argument tables (``gemm*_fp8`` / ``gemm*_mx``: float32 math on the dequantized operands)
     and its quantizers (:mod:`mokgen.fp8_ops` / :mod:`mokgen.mx_ops`). ``fp8_wgrads``: the weight gradients ("wgrad1", "wgrad2") a
     dtype "fp8" plan runs in FP8 (plan ``wgrad*_dtype=fp8``): their ``wgrad*_fp8`` tables, and the column
-    quantizers."""
+    quantizers. ``mx_wgrads``: likewise for a dtype "mxfp8" plan's MXFP8 weight gradients (plan
+    ``wgrad*_dtype=mxfp8``): their ``wgrad*_mx`` tables (the column quantizers are bound for every MXFP8 training
+    set)."""
     from .kernels import bind
 
     if set(fp8_wgrads) - {"wgrad1", "wgrad2"}:
         raise ValueError(f"fp8_wgrads: names of weight gradients (wgrad1, wgrad2), got {fp8_wgrads!r}")
+    if set(mx_wgrads) - {"wgrad1", "wgrad2"}:
+        raise ValueError(f"mx_wgrads: names of weight gradients (wgrad1, wgrad2), got {mx_wgrads!r}")
 
     cfg = layer_config(spec_or_cfg)
     E, S = cfg.local_experts, cfg.shared_experts
@@ -973,10 +1016,10 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
 
         impls.update(gemm1=gemm1_mx, gemm2=gemm2_mx)
         tables.update(gemm1="gemm1_mx", gemm2="gemm2_mx")
-        from .mx_ops import MX_BACKWARD_QUANT, reference_quant_kernels as mx_quant
+        from .mx_ops import MX_BACKWARD_QUANT, MX_WGRAD_QUANT, reference_quant_kernels as mx_quant
 
         mxq = mx_quant(bm, cfg.gate_up_layout)
-        bound.update({k: v for k, v in mxq.items() if training or k not in MX_BACKWARD_QUANT})
+        bound.update({k: v for k, v in mxq.items() if training or k not in MX_BACKWARD_QUANT + MX_WGRAD_QUANT})
     if gather or training:
         impls["gather"] = lambda x, row_src, meta, xg: ref_gather(x, row_src, meta, xg, bm=bm)
     if training:
@@ -1020,7 +1063,13 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         for name in ("wgrad1", "wgrad2"):
             for acc in (False, True):
                 kernel = name + ("_acc" if acc else "")
-                if name in fp8_wgrads:
+                if name in mx_wgrads:
+                    if cfg.dtype != "mxfp8":
+                        raise ValueError(f"mx_wgrads: MXFP8 weight gradients belong to dtype mxfp8, got {cfg.dtype}")
+                    impls[kernel] = (lambda a, sfa, b, sfb, group_start, out, num_ctas, _acc=acc:
+                                     ref_wgrad_mx(a, sfa, b, sfb, group_start, out, num_ctas, accumulate=_acc))
+                    tables[kernel] = kernel + "_mx"
+                elif name in fp8_wgrads:
                     if cfg.dtype != "fp8":
                         raise ValueError(f"fp8_wgrads: FP8 weight gradients belong to dtype fp8, got {cfg.dtype}")
                     impls[kernel] = (lambda a, sa, b, sb, group_start, out, num_ctas, _acc=acc:

@@ -174,7 +174,8 @@ def kernel_tiles(plan: Any) -> dict[str, Tile]:
     (also ``gemm1_train``) and ``gemm2`` from the plan's forward GEMMs (GEMM 1's bn counts gate + up: bn / 2 per
     part); with a backward, ``dgrad1`` / ``dgrad2`` (the plan's tile N on GEMM 2's K step and epilogue; BF16: as
     many stages as fit, at most the plan's; MXFP8: the plan's) and ``wgrad1`` / ``wgrad2`` (also their ``_acc``
-    forms: the plan's tile N and K step, epilogue WGRAD_EPI, as many stages as fit, at most the plan's)."""
+    forms: the plan's tile N and K step, epilogue WGRAD_EPI, as many stages as fit, at most the plan's; an MXFP8
+    weight gradient, plan ``wgrad*_dtype=mxfp8``: the block-scaled tile with the plan's stages)."""
     mx = plan.spec.dtype == "mxfp8"
     limit = smem_limit(plan)
     out = {}
@@ -193,6 +194,7 @@ def kernel_tiles(plan: Any) -> dict[str, Tile]:
         out[name] = t if mx else Tile(1, d.bn, g2.bk, t.stages_fit(limit, most=d.stages), g2.epi_n, g2.epi_stages)
     for name in ("wgrad1", "wgrad2"):
         w = getattr(bw, name)
-        t = Tile(1, w.bn, w.bk, w.stages, *WGRAD_EPI)
-        out[name] = Tile(1, w.bn, w.bk, t.stages_fit(limit, most=w.stages), *WGRAD_EPI)
+        wmx = mx and w.elem_bytes == 1   # plan wgrad*_dtype=mxfp8: the block-scaled form, the plan's stages
+        t = Tile(1, w.bn, w.bk, w.stages, *WGRAD_EPI, mx=wmx)
+        out[name] = t if wmx else Tile(1, w.bn, w.bk, t.stages_fit(limit, most=w.stages), *WGRAD_EPI)
     return out

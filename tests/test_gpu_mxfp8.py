@@ -19,7 +19,9 @@ CPU reference kernels: tests/test_mx_runtime.py). Per spec (default tools/specs/
 
 Inputs are fresh random tensors (``mokgen.reference.random_inputs``, never zeros). ``MOKGEN_GPU_PRESETS``
 (comma-separated preset names or YAML paths; a spec that is not mxfp8 gets ``dtype: mxfp8``, ``archs: [sm_100a]``)
-picks others, ``MOKGEN_GPU_TOKENS`` caps T, ``MOKGEN_GPU_OVERRIDES`` (``k=v,...``) plan overrides.
+picks others, ``MOKGEN_GPU_TOKENS`` caps T, ``MOKGEN_GPU_OVERRIDES`` (``k=v,...``) plan overrides
+(``wgrad1_dtype=mxfp8,wgrad2_dtype=mxfp8``: the opt-in MXFP8 weight gradients, checked against backward_mx with
+their operands quantized in 32-row blocks down the columns; never run either).
 """
 
 import dataclasses
@@ -44,6 +46,8 @@ PRESETS = [str(Path(__file__).resolve().parents[1] / "tools" / "specs" / "kimi-k
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
 OVERRIDES = parse_overrides(os.environ.get("MOKGEN_GPU_OVERRIDES", ""))  # typed as the CLI's --set
+# the weight gradients the overrides put in MXFP8 (wgrad*_dtype=mxfp8): backward_mx quantizes their operands too
+MX_WGRADS = tuple(n for n in ("wgrad1", "wgrad2") if OVERRIDES.get(f"{n}_dtype") == "mxfp8")
 TOL = 1e-2               # against the float64 references on the dequantized MXFP8 operands
 BF16_BAND = (0.02, 0.15)  # against the BF16 float64 references (tests/test_mx_runtime.py: 0.05-0.08 on the CPU)
 NAMES = ref.Grads._fields  # ("x", "topk_weight", "w1", "w2", "b1", "b2")
@@ -131,7 +135,7 @@ def check_y(spec, inp, y, what, band=False) -> None:
 def check_grads(spec, inp, dy, g, what, band=False) -> None:
     """Each gradient: present exactly when its input is, the input's shape and dtype, every element written (no
     NaN: the out= buffers were NaN), within TOL of backward_mx; the distance to the BF16 backward printed."""
-    rm = ref.backward_mx(dy, *_args(spec, inp))
+    rm = ref.backward_mx(dy, *_args(spec, inp), mx_wgrads=MX_WGRADS)
     r16 = ref.backward(dy, *_args(spec, inp))
     for name in NAMES:
         t, want, like = getattr(g, name), getattr(rm, name), getattr(inp, name)

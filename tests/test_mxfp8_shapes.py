@@ -166,20 +166,53 @@ def _args(inp):
     return (inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_emit_mx_wgrads(shape):
+    """The opt-in MXFP8 weight gradients (wgrad1_dtype=mxfp8, wgrad2_dtype=mxfp8) rendered with the shape's
+    dimensions and tile counts (gpt-oss: 23 x 128 = 2944 columns, odd tile counts), the three column quantizers with
+    their column counts; the other kernels are the default plan's, byte for byte but for the plan hash header."""
+    from mokgen.emit import emit
+    from mokgen.plan import solve
+
+    spec = load_spec(SHAPES[shape])
+    H, I = spec.hidden, spec.ffn
+    both = emit(solve(spec, "sm_100a", wgrad1_dtype="mxfp8", wgrad2_dtype="mxfp8")).files
+    default = emit(_plan(shape)).files
+    for k, m_out, n_out in (("wgrad1", 2 * I, H), ("wgrad2", H, I)):
+        for name in (k, k + "_acc"):
+            text = both[f"{name}.py"]
+            assert "MX = True" in text and f"M_OUT = {m_out} " in text and f"N_OUT = {n_out} " in text, name
+            assert f"M_TILES = {m_out // 128} " in text and f"N_TILES = {n_out // 128} " in text, name
+            assert f"GROUPS = {spec.groups} " in text and "BN = 128 " in text and "BK = 128 " in text, name
+    for k, cols in (("quant_mx_cols_gather", H), ("quant_mx_dz_cols", 2 * I), ("quant_mx_sa_cols", I)):
+        assert f"C_COLS = {cols} " in both[f"{k}.py"], k
+    body = lambda t: t.split("\n", 4)[4]   # noqa: E731  (the header's plan line (4th) differs: another plan)
+    for f in set(default) & set(both) - {f"{w}{s}.py" for w in ("wgrad1", "wgrad2") for s in ("", "_acc")}:
+        assert body(default[f]) == body(both[f]), f
+    assert ("gather.py" in both) == spec.bias   # db2 sums the bf16 dO rows
+
+
+@pytest.mark.parametrize("wgrads", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("shape", sorted(TINY))
-def test_training_step_on_reference_kernels(shape):
+def test_training_step_on_reference_kernels(shape, wgrads):
     """A small version of each shape (its features, ep, top-k) run forward and backward on the CPU reference
     kernels (the MXFP8 runtime path: quantizers writing the kernels' bytes, GEMMs on the dequantized packed
     operands) against the float64 references on the dequantized operands (rel. err < 1e-2) and against the BF16
-    float64 reference (MXFP8's resolution: in [0.02, 0.15]), as tests/test_mx_runtime.py does for its shapes."""
+    float64 reference (MXFP8's resolution: in [0.02, 0.15]), as tests/test_mx_runtime.py does for its shapes; with
+    the BF16 weight gradients (the default) and with both in MXFP8 (wgrad*_dtype=mxfp8: the reference quantizes
+    their operands in 32-row blocks down the columns, backward_mx's mx_wgrads)."""
     from mokgen.ops import CompiledMoE
     from mokgen.plan import solve
 
+    from mokgen.kernels import mx_wgrads
+
     spec = load_spec(TINY[shape])
     T, H = spec.tokens, spec.hidden
-    pl = solve(spec, "sm_100a")
-    moe = CompiledMoE(spec, pl, functions=R.reference_kernels(spec, pl.bm, training=True), allow_cpu=True,
-                      arch="sm_100a")
+    pl = solve(spec, "sm_100a", wgrad1_dtype=wgrads, wgrad2_dtype=wgrads)
+    mxw = mx_wgrads(pl)
+    assert mxw == (("wgrad1", "wgrad2") if wgrads == "mxfp8" else ())
+    moe = CompiledMoE(spec, pl, functions=R.reference_kernels(spec, pl.bm, training=True, mx_wgrads=mxw),
+                      allow_cpu=True, arch="sm_100a")
     assert moe.mx and moe.trainable
     inp = R.random_inputs(spec, tokens=T, seed=3)
     a = _args(inp)
@@ -190,7 +223,7 @@ def test_training_step_on_reference_kernels(shape):
     assert torch.equal(y, y2)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).bfloat16()
     g = moe.backward(dy, saved, inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
-    rm = R.backward_mx(dy, *a[:5], spec, b1=a[5], b2=a[6])
+    rm = R.backward_mx(dy, *a[:5], spec, b1=a[5], b2=a[6], mx_wgrads=mxw)
     r16 = R.backward(dy, *a[:5], spec, b1=a[5], b2=a[6])
     names = ("x", "topk_weight", "w1", "w2") + (("b1", "b2") if spec.bias else ())
     for name in names:
