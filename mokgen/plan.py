@@ -1213,6 +1213,32 @@ def _explain_mx_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCo
     ]
 
 
+def _explain_tcgen05_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
+    """The BF16 tcgen05 (sm_100a) GEMMs' explain lines: the kernels' form (templates/sm100/grouped_gemm.py.j2),
+    not the sm_90a warpgroup rules; their TMEM and smem figures are the budgets section's (sm100_rules)."""
+    n, k = _gemm_shape(spec, which)
+    title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
+    pair = g.cluster == 2
+    waves = c.tiles / arch.sms
+    m_ctas = _m_tiles(spec, g.bm) * (g.bm // g.tile_m)
+    return [
+        f"{title}: N = {n}, K = {k}, BF16 tcgen05.mma "
+        + (f"cta_group::2 (a CTA pair, cluster 2 along M, on {g.bm}-row tiles; each CTA loads half of every W box)"
+           if pair else f"cta_group::1 (one CTA per {g.tile_m}-row tile)"),
+        "  A: " + ("the rows gathered by the gather kernel, read by TMA tiles" if which == 1 else
+                   "h's rows, read by TMA tiles"),
+        f"  bn = {g.bn}" + (f": {g.bn // 2} gate + {g.bn // 2} up columns, two accumulators per tile" if which == 1
+                            else f": hidden {n} % {g.bn} = {n % g.bn}") + f", bk = {g.bk}",
+        "  accumulators in tensor memory, double-buffered (the epilogue warpgroup drains tile i while the MMA warp "
+        "runs tile i + 1); warps: 4 epilogue, 1 MMA, 1 TMA; tiles handed out by Cluster Launch Control",
+        f"  raster_group = {g.raster_group}; CTA tiles = {m_ctas} M" + (f" ({m_ctas // 2} pairs)" if pair else "")
+        + f" x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} -> {math.ceil(waves)} "
+        f"(wave efficiency {_pct(c.wave_eff)})",
+        "  stages, TMEM and shared memory: the budgets section below; cost below: the sm_90a model's (nothing "
+        "measured on sm_100a)",
+    ]
+
+
 def _mxfp8_arch(spec: Spec, arch: str) -> None:
     """dtype mxfp8 is planned only where the GEMMs are tcgen05's (sm_100a)."""
     if spec.dtype == "mxfp8" and not get_arch(arch).has_tcgen05:
@@ -1781,6 +1807,8 @@ def _pct(x: float) -> str:
 def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
     if spec.dtype == "mxfp8":
         return _explain_mx_gemm(spec, arch, which, g, c)
+    if arch.has_tcgen05:
+        return _explain_tcgen05_gemm(spec, arch, which, g, c)
     if g.elem_bytes == 1:
         return _explain_fp8_gemm(spec, arch, which, g, c)
     n, k = _gemm_shape(spec, which)
@@ -1903,9 +1931,8 @@ def explain(plan: Plan, top: int = 5) -> str:
         + (f", {spec.shared_experts} shared x {spec.tokens}" if spec.shared_experts else "")
         + f" -> {_m_tiles(spec, plan.bm)} M tiles of {plan.bm} (row efficiency {_pct(c1.row_eff)})",
         f"routing tile M = {plan.bm} (each group padded to a multiple of it); GEMM tiles: "
-        + ", ".join(f"GEMM{w} {g.tile_m} rows ({g.consumer}: " + ("2 consumer warpgroups x 64 rows" if g.consumer
-                    == "cooperative" else "one warpgroup per tile, two tiles in flight") + ")"
-                    for w, g in ((1, plan.gemm1), (2, plan.gemm2)))
+        + ", ".join(f"GEMM{w} {g.bm if arch.has_tcgen05 and g.cluster == 2 else g.tile_m} rows "
+                    f"({_tile_form(arch, g)})" for w, g in ((1, plan.gemm1), (2, plan.gemm2)))
         + (f", tile K = {plan.gemm1.bk}" + (" (FP8: one 128-wide scale block per stage)" if spec.dtype == "fp8"
                                              else "")),
         "",
@@ -1921,7 +1948,9 @@ def explain(plan: Plan, top: int = 5) -> str:
         + ("routing, GEMM 1, GEMM 2, combine as four persistent launches; the default: on the H200 it measured "
            "faster than the fused kernel on all six benchmark shapes, bench/NOTES.md v2)" if plan.schedule == "chain"
            else "routing, then one persistent kernel claiming G1/G2/combine tasks chunk by chunk)")
-        + f"; W-tile clusters: GEMM 1 {plan.gemm1.cluster}, GEMM 2 {plan.gemm2.cluster}",
+        + (f"; CTA pairs (cta_group::2): GEMM 1 {'yes' if plan.gemm1.cluster == 2 else 'no'}, GEMM 2 "
+           f"{'yes' if plan.gemm2.cluster == 2 else 'no'}" if arch.has_tcgen05 else
+           f"; W-tile clusters: GEMM 1 {plan.gemm1.cluster}, GEMM 2 {plan.gemm2.cluster}"),
         f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
         f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
         f"max_m_tiles = {plan.max_m_tiles}",
@@ -1943,6 +1972,15 @@ def explain(plan: Plan, top: int = 5) -> str:
     if plan.notes:
         lines += ["notes:", *(f"  - {n}" for n in plan.notes)]
     return "\n".join(lines)
+
+
+def _tile_form(arch: Arch, g: GemmPlan) -> str:
+    """How a GEMM's CTAs cover its tile: the warpgroups of sm_90a, the tcgen05 CTA (or pair) of sm_100a."""
+    if arch.has_tcgen05:
+        return ("a CTA pair, tcgen05 cta_group::2: 128 rows each" if g.cluster == 2 else
+                "one CTA, tcgen05 cta_group::1")
+    return ("cooperative: 2 consumer warpgroups x 64 rows" if g.consumer == "cooperative" else
+            "pingpong: one warpgroup per tile, two tiles in flight")
 
 
 _BACKWARD_WHAT = {"dgrad1": "dA' = dO rows . W2, dSwiGLU + router-gradient epilogue -> dz, s a",
@@ -1970,6 +2008,13 @@ def _explain_backward(plan: Plan) -> list[str]:
             form = f"FP8 e4m3 (A per 1x128, W per 128x128), promotion {g.promote}"
         else:
             form = "BF16"
+        if get_arch(plan.arch).has_tcgen05:   # the tcgen05 kernels: stages, TMEM and smem in the budgets section
+            lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}",
+                      f"    tile {g.tile_m} x {g.bn}, K step {g.bk}, raster {g.raster_group}, accumulators in tensor "
+                      f"memory (stages, TMEM and smem: the budgets below)"
+                      + ("; with main_grad: an fp32 read-add-write from the accumulators" if name.startswith("wgrad")
+                         else "")]
+            continue
         out = ("ring (TMA-stored by the storer warp)" if g.epi_store == "ring"
                else f"smem ({g.epi_stages} x {g.epi_n} columns)")
         extra = ""

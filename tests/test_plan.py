@@ -154,8 +154,13 @@ def test_bad_plan_dict():
 def test_explain(name, arch):
     plan = solve(load_spec(name), arch)
     text = explain(plan)
-    for word in ("waves", "smem", "chunk", "stages", "cap_rows", "raster", "registers", "top candidates"):
+    acc = "tensor memory" if arch == "sm_100a" else "registers"   # where each arch's accumulators live
+    for word in ("waves", "smem", "chunk", "stages", "cap_rows", "raster", acc, "top candidates"):
         assert word in text
+    if arch == "sm_100a":   # the tcgen05 kernels' form, not the sm_90a warpgroup rules
+        for hopper in ("consumer warpgroups", "cp.async", "registers: accumulator", "(cooperative)", "z direct"):
+            assert hopper not in text, hopper
+        assert "tcgen05.mma cta_group::1" in text and "Cluster Launch Control" in text
     assert "chunk_rows = 128 * ceil(" in text and str(plan.chunk_rows) in text
     assert f"bn1={plan.gemm1.bn}/bn2={plan.gemm2.bn}" in text
 
