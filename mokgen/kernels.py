@@ -95,7 +95,7 @@ def _grouped_mx(row: Arg, out: Arg, *extra: Arg, a_doc: str, w: Arg = _W_MX) -> 
 
 _W_K = _t("w", "bf16", "GROUPS", "PARTS * N_OUT", "K_DIM", doc="weights, K-major (layout from the strides above)")
 _W_N = _t("w", "bf16", "GROUPS", "K_DIM", "N_OUT", doc="weights read transposed (N-major)")
-_ROW_SRC = _t("row", "int32", "rows", doc="[rows] row_src: token of each padded row (-1: padding)")
+_ROW_SRC = _t("row", "int32", "rows", doc="[rows] row_src: token of each padded row (padding: token 0)")
 _ROW_W = _t("row", "fp32", "rows", doc="[rows] row_w: routing weight of each padded row (0: padding)")
 _Z = _t("z", "bf16", "rows", "2 * N_OUT", doc="[rows, 2 N_OUT] pre-activation z in W1's row order")
 _WGRAD = (
@@ -268,7 +268,7 @@ ARGS.update({
     ),
     "quant_rows_gather": (
         _t("x", "bf16", "tokens", "cols", doc="[T, K] bf16 token rows (K a multiple of 16)"),
-        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes token 0)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (padding: token 0, quantized as such)"),
         _META,
         _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits of the gathered rows (the used rows)"),
         _t("s", "fp32", "rows", "cblocks", written=True, align=4,
@@ -309,7 +309,7 @@ _MX_SF = _t("sf", "u8", "sf_bytes", written=True, doc="e8m0 codes, packed over t
 ARGS.update({
     "quant_mx_gather": (
         _t("x", "bf16", "tokens", "K_DIM", doc="[T, H] bf16 token rows"),
-        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (-1: padding, quantizes token 0)"),
+        _t("row_src", "int32", "rows", doc="[rows] token of each padded row (padding: token 0, quantized as such)"),
         _META,
         _t("q", "u8", "rows", "K_DIM", written=True, doc="[rows, H] e4m3 bits of the gathered rows (the used rows)"),
         _MX_SF,

@@ -68,7 +68,7 @@ def _write_rows(x: torch.Tensor, q: torch.Tensor, sf: torch.Tensor) -> None:
 
 
 def ref_quant_mx_gather(x, row_src, meta, q, sf, *, bm: int) -> None:
-    """quant_mx_gather: q[r] = quantize_mx(x[row_src[r]]) (token 0 for padding rows, row_src -1) for the used rows
+    """quant_mx_gather: q[r] = quantize_mx(x[row_src[r]]) (padding rows hold token 0) for the used rows
     r < meta[0] * bm of the padded row space, their codes at mx_sf_offset(r, kb, K / 32) of sf."""
     n = min(int(meta[0]) * bm, row_src.shape[0], q.shape[0])
     _write_rows(x[row_src[:n].long().clamp(min=0)], q, sf)
