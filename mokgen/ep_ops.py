@@ -238,6 +238,7 @@ class EPMoE:
         self.allow_cpu = allow_cpu
         self.gather = uses_gather_kernel(plan)
         self.last_meta: list[torch.Tensor] = []
+        self._bad: torch.Tensor | None = None   # ids out of range counted since the last check_errors (device)
 
     def _check(self, x, topk_idx, topk_weight, w1, w2, b1, b2) -> None:
         c, n = self.cfg, self.ranks
@@ -359,12 +360,28 @@ class EPMoE:
             call(self._fns, "combine", ys=w["comb"], slot_pos=w["slot_pos"], y=y)
 
     def check_meta(self, metas: Sequence[torch.Tensor], check: bool) -> None:
-        """``check``: raise :class:`RoutingError` when a routing counted ids out of range (syncs)."""
+        """``check``: raise :class:`RoutingError` when a routing counted ids out of range (syncs). Otherwise the
+        count (every destination's routing walks all ranks' ids, so one meta has it) is added to a device counter,
+        without a sync, that :meth:`check_errors` reads."""
         self.last_meta = list(metas)
-        if check and any(int(m[1]) for m in self.last_meta):
-            bad = int(self.last_meta[0][3])
-            raise RoutingError(f"mokgen ep: {bad} top-k id(s) outside [0, {self.ranks * self.cfg.local_experts}); "
-                               "those slots were dropped (contributed 0)")
+        if check:
+            if any(int(m[1]) for m in self.last_meta):
+                raise RoutingError(self._bad_message(int(self.last_meta[0][3])))
+            return
+        if self.last_meta:
+            n = self.last_meta[0][3:4].to(torch.int64)   # a device op in stream order: no host sync
+            self._bad = n if self._bad is None else self._bad + n
+
+    def _bad_message(self, bad: int) -> str:
+        return (f"mokgen ep: {bad} top-k id(s) outside [0, {self.ranks * self.cfg.local_experts}); those slots were "
+                "dropped (contributed 0)")
+
+    def check_errors(self) -> None:
+        """Raise :class:`RoutingError` if a call since the last check (made without ``check=True``) saw top-k ids
+        outside ``[0, R * L)`` (their slots were dropped); one host sync; clears the count."""
+        bad, self._bad = self._bad, None
+        if bad is not None and int(bad):
+            raise RoutingError(self._bad_message(int(bad)))
 
     @staticmethod
     def saved_of(w: dict) -> dict[str, torch.Tensor]:

@@ -133,7 +133,12 @@ class MoE(torch.nn.Module):
                            w1_main_grad=mg1, w2_main_grad=mg2)
 
     def check_errors(self) -> None:
-        """See :meth:`CompiledMoE.check_errors`."""
+        """See :meth:`CompiledMoE.check_errors`; under expert parallelism (``group=``) :meth:`mokgen.ep_ops.EPMoE.
+        check_errors` (ids outside ``[0, ep * local experts)`` seen since the last check; one host sync)."""
+        if self.group is not None:
+            if self._ep_step is not None:
+                self._ep_step.layer.check_errors()
+            return
         if self._compiled is not None:
             self._compiled.check_errors()
 

@@ -107,6 +107,8 @@ def _run_job(rank, job, timeout_s):
         if job.get("again"):   # a second forward (no grad)
             with torch.no_grad():
                 moe(x[rank], idx[rank], wt[rank])
+        if job.get("check_errors"):   # the count the calls kept on the device, read once
+            moe.check_errors()
     except _Skip as e:
         out["skipped"] = str(e)
     except Exception as e:   # noqa: BLE001 -- reported to the parent
@@ -232,10 +234,15 @@ def test_ids_out_of_range_raise_on_every_rank(tmp_path):
     bad = [(0, 2, 1, 4), (1, 0, 0, -1)]   # R * L = 4: no rank has it; -1
     jobs = {"bad": dict(kw=dict(ep=2, experts=4, shared_experts=1), tokens=[6, 5], seed=7, bad_ids=bad,
                         check=True),
+            # without ep_check: no sync in the calls; MoE.check_errors reports the two calls' ids on every rank
+            "counted": dict(kw=dict(ep=2, experts=4, shared_experts=1), tokens=[6, 5], seed=7, bad_ids=bad,
+                            again=True, check_errors=True),
             "after": dict(kw=dict(ep=2, experts=4), tokens=[3, 4], seed=8)}   # the group goes on
     res = _spawn(2, jobs, tmp_path)
     for r in range(2):
         assert res[r]["bad"]["error_type"] == "RoutingError" and "2 top-k id" in res[r]["bad"]["error"], res[r]
+        assert res[r]["counted"]["error_type"] == "RoutingError" and "4 top-k id" in res[r]["counted"]["error"], \
+            res[r]
     _check_job("after", jobs["after"], res)
 
 

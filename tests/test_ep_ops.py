@@ -141,6 +141,17 @@ def test_ids_out_of_range_add_nothing_and_are_reported():
     assert torch.equal(torch.cat(y), y_single)
     with pytest.raises(RoutingError, match="2 top-k id"):
         moe(*args, **b, check=True)
+    # without check=True the calls count them on the device; check_errors reports the sum once, then clears
+    with pytest.raises(RoutingError, match="2 top-k id"):
+        moe.check_errors()   # the first call's; the check=True call reported its own and is not counted
+    moe(*args, **b)
+    moe(*args, **b)
+    with pytest.raises(RoutingError, match="4 top-k id"):
+        moe.check_errors()
+    moe.check_errors()
+    good = list(_inputs(spec, [6, 5], seed=7))
+    moe(*_args(good)[0], **_args(good)[1])
+    moe.check_errors()   # in range: nothing to report
 
 
 def test_inputs_are_checked():
