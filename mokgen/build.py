@@ -52,6 +52,11 @@ __all__ = [
     "ptxas_report",
     "ptxas_advisories",
     "run_ptxas",
+    "find_nvdisasm",
+    "sass_of_ptx",
+    "sass_opcodes",
+    "sass_report",
+    "sass_texts",
     "kernel_files",
     "LIB_NAME",
     "SUPPORTED_ARCHS",
@@ -531,6 +536,112 @@ def ptxas_report(artifacts: Artifacts | str | os.PathLike, kernels: Iterable[str
         if "wgmma.mma_async" in text:
             out[k] = ptxas_advisories(text, arch, ptxas) or []
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SASS: a kernel's PTX assembled for its arch by ptxas, the cubin disassembled by nvdisasm
+
+# SASS mnemonics of the instructions the tests look for, as nvdisasm 13.5 prints them for ptxas 13.0's cubins
+# (observed on our kernels, not taken from a spec; tests/test_sass.py says which PTX instruction each came from):
+# Hopper's wgmma (HGMMA), Blackwell's tcgen05 MMA (UTCHMMA: kind::f16; UTCQMMA: kind::mxf8f6f4, block-scaled with
+# TMEM scale operands), tcgen05.commit / cp / alloc+dealloc / ld (UTCBAR, UTCCP, UTCATOMSWS, LDTM), TMA
+# (UTMALDG loads, UTMASTG stores, UTMACCTL tensormap prefetch), mbarriers (SYNCS), Cluster Launch Control's
+# try_cancel (UGETNEXTWORKID). A mnemonic is an instruction's first word less its dotted modifiers:
+# ``UTCCP.T.S.4x32dp128bit ...`` counts as ``UTCCP``.
+SASS_OPCODES = ("HGMMA", "UTCHMMA", "UTCQMMA", "UTCBAR", "UTCCP", "UTCATOMSWS", "LDTM", "UTMALDG", "UTMASTG",
+                "UTMACCTL", "SYNCS", "UGETNEXTWORKID")
+_SASS_INSN_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+# nvdisasm's wheel (nvidia-cuda-nvdisasm, in the dev extra) puts the binary under the ``nvidia`` namespace package:
+# ``nvidia/cu13/bin/nvdisasm`` (13.x); older wheels used ``nvidia/cuda_nvdisasm/bin/nvdisasm``.
+_NVDISASM_WHEEL_PATHS = ("cu13/bin/nvdisasm", "cuda_nvdisasm/bin/nvdisasm")
+
+
+def find_nvdisasm() -> str | None:
+    """The nvdisasm to read SASS with: ``$MOKGEN_NVDISASM``, else ``nvdisasm`` on PATH, else the binary of the
+    ``nvidia-cuda-nvdisasm`` wheel, else None."""
+    env = os.environ.get("MOKGEN_NVDISASM")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia   # a namespace package: one entry per site directory that has an nvidia/ folder
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", ()):
+        for rel in _NVDISASM_WHEEL_PATHS:
+            cand = Path(root) / rel
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return str(cand)
+    return None
+
+
+def sass_of_ptx(ptx: str, arch: str, ptxas: str | None = None, nvdisasm: str | None = None) -> str | None:
+    """One kernel's SASS: its PTX assembled for ``arch`` by ptxas (``run_ptxas``'s way: a too-new ``.version``
+    header lowered) into a cubin, disassembled by nvdisasm. None when either tool is missing; BuildError when
+    ptxas rejects the PTX or nvdisasm fails."""
+    ptxas = ptxas or find_ptxas()
+    nvdisasm = nvdisasm or find_nvdisasm()
+    if not ptxas or not nvdisasm:
+        return None
+    with tempfile.TemporaryDirectory(prefix="mokgen-sass.") as td:
+        src, cubin = Path(td) / "k.ptx", Path(td) / "k.cubin"
+        for _ in range(2):
+            src.write_text(ptx)
+            r = subprocess.run([ptxas, f"-arch={arch}", str(src), "-o", str(cubin)], capture_output=True, text=True)
+            m = _PTXAS_VERSION_RE.search(r.stdout + r.stderr)
+            if r.returncode == 0 or not m:
+                break
+            ptx = re.sub(r"^\.version\s+\S+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
+        if r.returncode != 0:
+            raise BuildError(f"ptxas rejected the PTX: {(r.stdout + r.stderr).strip().splitlines()[-1:]}")
+        d = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
+        if d.returncode != 0:
+            raise BuildError(f"nvdisasm failed: {(d.stdout + d.stderr).strip().splitlines()[-1:]}")
+        return d.stdout
+
+
+def sass_opcodes(sass: str) -> dict[str, int]:
+    """``{mnemonic: count}`` of the instructions in nvdisasm's text (the first word of each instruction line, its
+    predicate and dotted modifiers dropped)."""
+    out: dict[str, int] = {}
+    for m in _SASS_INSN_RE.finditer(sass):
+        op = m.group(1)
+        out[op] = out.get(op, 0) + 1
+    return out
+
+
+def sass_report(artifacts: Artifacts | str | os.PathLike, kernels: Iterable[str] | None = None,
+                ptxas: str | None = None, nvdisasm: str | None = None) -> dict[str, dict[str, int]] | None:
+    """``{kernel: {mnemonic: count}}`` (``sass_opcodes``) of each kernel's SASS (``sass_texts``); None when ptxas
+    or nvdisasm is missing. ``SASS_OPCODES`` names the mnemonics of the tensor-core, TMEM, TMA and barrier
+    instructions the tests look for."""
+    texts = sass_texts(artifacts, kernels, ptxas, nvdisasm)
+    return None if texts is None else {k: sass_opcodes(t) for k, t in texts.items()}
+
+
+def sass_texts(artifacts: Artifacts | str | os.PathLike, kernels: Iterable[str] | None = None,
+               ptxas: str | None = None, nvdisasm: str | None = None) -> dict[str, str] | None:
+    """``{kernel: SASS}`` (``sass_of_ptx``) for the kernels of a build or cache entry (all, or ``kernels``), each
+    assembled for the entry's arch (``meta.json``, else the PTX's ``.target``); None when ptxas or nvdisasm is
+    missing."""
+    ptxas = ptxas or find_ptxas()
+    nvdisasm = nvdisasm or find_nvdisasm()
+    if not ptxas or not nvdisasm:
+        return None
+    d = Path(artifacts.dir if isinstance(artifacts, Artifacts) else artifacts)
+    names = list(kernels) if kernels is not None else sorted(p.stem for p in d.glob("*.ptx"))
+    arch = artifacts.arch if isinstance(artifacts, Artifacts) else None
+    if arch is None and (d / "meta.json").exists():   # a cache entry
+        arch = json.loads((d / "meta.json").read_text())["arch"]
+    if arch is None:   # a build directory: the arch its PTX targets
+        m = re.search(r"^\.target\s+(sm_\w+)", (d / f"{names[0]}.ptx").read_text(errors="replace") if names else "",
+                      re.M)
+        if not m:
+            raise BuildError(f"{d}: no meta.json and no PTX naming its target arch")
+        arch = m.group(1)
+    return {k: sass_of_ptx((d / f"{k}.ptx").read_text(errors="replace"), arch, ptxas, nvdisasm) for k in names}
 
 
 # ----------------------------------------------------------------------------------------------------------
