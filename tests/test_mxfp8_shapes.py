@@ -15,6 +15,7 @@ import torch
 
 from mokgen import reference as R
 from mokgen.spec import SpecError, load_spec
+from test_sass import needs_sass
 
 MX = {"dtype": "mxfp8", "archs": ["sm_100a"]}
 # gpt-oss's own hidden / ffn (2880) are not multiples of 128, which dtype mxfp8 needs (test_refusals): the nearest
@@ -134,11 +135,29 @@ def test_compile_for_sm100a(built):
     """Every kernel of the shape's training entry compiles for sm_100a; the forward GEMMs and the dgrads issue the
     block-scaled MMA (kind::mxf8f6f4.block_scale, e8m0 scales per 32) with their tiles' scale copies, TMA loads and
     instruction descriptor, the quantizers their e4m3 conversions (check_mx_ptx, as for tests/test_mxfp8.py's
-    build); the weight gradients the bf16 kind::f16 MMA; every PTX targets sm_100a."""
+    build); the weight gradients the bf16 kind::f16 MMA; every PTX targets sm_100a (check_mx_build)."""
+    check_mx_build(*built)
+
+
+@pytest.mark.slow
+@needs_sass
+def test_sass_for_sm100a(built):
+    """The shape's kernels disassembled (tests/test_sass.py): UTCQMMA with TMEM scale operands and UTCCP in the
+    forward GEMMs and dgrads, UTCHMMA in the weight gradients, TMEM / TMA / mbarrier / CLC in every GEMM, no HGMMA."""
+    from mokgen import build
+    from test_sass import check_sm100_sass
+
+    check_sm100_sass(build.sass_texts(built[1]), mx=True)
+
+
+def check_mx_build(plan, art) -> None:
+    """The PTX of an MXFP8 training entry built for sm_100a (test_compile_for_sm100a's and the presets' checks):
+    check_mx_ptx, every kernel targeting sm_100a, the block-scaled MMA in the forward GEMMs and the dgrads only,
+    the bf16 kind::f16 MMA in the weight gradients, no tcgen05 elsewhere; the activation's constants in GEMM 1 and
+    dgrad1 (swiglu_oai's clamp at 7 and its 1.702; none of them for plain swiglu)."""
     from mokgen import build
     from test_mxfp8 import check_mx_ptx
 
-    plan, art = built
     check_mx_ptx(plan, art)
     report = build.ptx_report(art)
     assert all(r["target"] for r in report.values()), report
@@ -232,3 +251,61 @@ def test_training_step_on_reference_kernels(shape, wgrads):
         assert R.rel_err(got, getattr(rm, name)) < 1e-2, name
         if name not in ("b1", "b2"):
             assert 0.02 < R.rel_err(got, getattr(r16, name)) < 0.15, name
+
+
+# ---- every BF16 preset's shape in MXFP8 (issue 20: "every preset's sm_100a kernels ... MXFP8 forward + backward") --
+# the presets whose hidden and ffn are multiples of 128; gpt-oss-120b's 2880 is not (test_preset_mxfp8_specs)
+MX_PRESETS = ["deepseek-v3", "deepseek-v4-pro", "glm-5", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b",
+              "qwen3.5-397b-a17b"]
+MX_REFUSED = {"gpt-oss-120b": "hidden"}
+
+
+def _preset_mx(name: str) -> dict:
+    """The preset's spec in MXFP8 for sm_100a, named ``<preset>-mxfp8`` (kimi-k2's is tools/specs/kimi-k2-mxfp8.yaml)."""
+    return {**load_spec(name).to_dict(), "name": f"{name}-mxfp8", **MX}
+
+
+def test_preset_mxfp8_specs():
+    """Every BF16 preset (tests/test_sm100.py's list) is either taken in MXFP8 or refused with mxfp8's one-line
+    SpecError naming the field, the rule and the value."""
+    from test_sm100 import BF16_PRESETS
+
+    assert sorted(MX_PRESETS + list(MX_REFUSED)) == sorted(BF16_PRESETS)
+    for name in MX_PRESETS:
+        spec = load_spec(_preset_mx(name))
+        assert spec.dtype == "mxfp8" and spec.hidden % 128 == 0 and spec.ffn % 128 == 0, name
+    for name, field in MX_REFUSED.items():
+        with pytest.raises(SpecError) as e:
+            load_spec(_preset_mx(name))
+        text, value = str(e.value), getattr(load_spec(name), field)
+        assert "\n" not in text and text.startswith(f"spec.{field}: "), text
+        assert "dtype mxfp8 needs a multiple of 128" in text and text.endswith(f"got {value}") and value % 128, text
+
+
+@pytest.fixture(scope="module", params=MX_PRESETS)
+def preset_built(request, tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from mokgen import build
+    from mokgen.emit import emit
+    from mokgen.plan import solve
+
+    plan = solve(load_spec(_preset_mx(request.param)), "sm_100a")
+    return plan, build.build(emit(plan), "sm_100a", tmp_path_factory.mktemp(request.param), jobs=2, progress=False)
+
+
+@pytest.mark.slow
+def test_preset_compiles_for_sm100a(preset_built):
+    """The preset's MXFP8 training entry (nineteen kernels) planned, emitted and built for sm_100a, its PTX checked
+    as the shapes' above (check_mx_build)."""
+    check_mx_build(*preset_built)
+
+
+@pytest.mark.slow
+@needs_sass
+def test_preset_sass_for_sm100a(preset_built):
+    """The preset's MXFP8 kernels disassembled: block-scaled UTCQMMA in the forward GEMMs and dgrads, UTCHMMA in the
+    weight gradients, TMEM / TMA / mbarrier / CLC in every GEMM, no HGMMA anywhere (tests/test_sass.py)."""
+    from mokgen import build
+    from test_sass import check_sm100_sass
+
+    check_sm100_sass(build.sass_texts(preset_built[1]), mx=True)

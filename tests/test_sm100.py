@@ -16,6 +16,7 @@ from mokgen.emit import EmitError
 from mokgen.emit_sm100 import grouped_params, render_grouped_gemm, render_wgrad, tile_walk, wgrad_params
 from mokgen.plan import solve
 from mokgen.spec import load_spec
+from test_sass import needs_sass
 
 # (preset, overrides): kimi-k2 as planned (N 7168 = 28 tiles of 256); gpt-oss-120b (bias) with 256-wide tiles,
 # so that N = 2880 leaves a partial last tile (11 full tiles + 64 columns)
@@ -316,17 +317,26 @@ def test_mokgen_compile_sm100a_builds_forward_and_backward(tmp_path, monkeypatch
     assert "never run on a Blackwell GPU" in out and "wgmma pipelined" not in out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", BF16_PRESETS)
-def test_preset_compiles_for_sm100a(name, tmp_path):
-    """Every BF16 preset's sm_100a kernels (what `mokgen compile --arch sm_100a` builds: forward and backward)
-    compile on this CPU machine: every kernel targets sm_100a, the GEMMs are tcgen05 + TMA + mbarrier, no wgmma
-    anywhere."""
+@pytest.fixture(scope="module", params=BF16_PRESETS)
+def preset_built(request, tmp_path_factory):
+    """The preset's sm_100a entry (what `mokgen compile --arch sm_100a` builds: forward and backward), built once
+    for the PTX and the SASS tests."""
     pytest.importorskip("cutlass")
     from mokgen import build
     from mokgen.emit import emit
 
-    art = build.build(emit(_plan(name)), "sm_100a", tmp_path, progress=False)
+    return build.build(emit(_plan(request.param)), "sm_100a", tmp_path_factory.mktemp(request.param),
+                       progress=False)
+
+
+@pytest.mark.slow
+def test_preset_compiles_for_sm100a(preset_built):
+    """Every BF16 preset's sm_100a kernels (what `mokgen compile --arch sm_100a` builds: forward and backward)
+    compile on this CPU machine: every kernel targets sm_100a, the GEMMs are tcgen05 + TMA + mbarrier, no wgmma
+    anywhere."""
+    from mokgen import build
+
+    art = preset_built
     report = build.ptx_report(art)
     assert sorted(report) == sorted(("combine", "gather", "gemm1", "gemm2", "routing", "gemm1_train", "dgrad1",
                                      "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc"))
@@ -335,6 +345,23 @@ def test_preset_compiles_for_sm100a(name, tmp_path):
     for k in ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc"):
         assert report[k]["tcgen05"] and report[k]["cp.async.bulk.tensor"] and report[k]["mbarrier"], report[k]
         assert report[k]["clusterlaunchcontrol"], (k, "the GEMMs walk their tiles by Cluster Launch Control")
+
+
+@pytest.mark.slow
+@needs_sass
+def test_preset_sass_for_sm100a(preset_built):
+    """Every BF16 preset's sm_100a kernels disassembled (tests/test_sass.py: ptxas, then nvdisasm): every GEMM
+    issues the tcgen05 MMA as UTCHMMA (kind::f16) with its TMEM (UTCATOMSWS alloc / dealloc, LDTM loads, UTCBAR
+    commits), TMA (UTMALDG, UTMASTG) and mbarrier (SYNCS) instructions and the CLC tile walk (UGETNEXTWORKID); no
+    kernel has Hopper's HGMMA, and the sm_90a check refuses the entry."""
+    from mokgen import build
+    from test_sass import check_sm100_sass, check_sm90_sass
+
+    texts = build.sass_texts(preset_built)
+    assert sorted(texts) == sorted(preset_built.kernels)
+    check_sm100_sass(texts)
+    with pytest.raises(AssertionError):
+        check_sm90_sass(texts)
 
 
 def test_mokgen_plan_explain_sm100a(capsys):
