@@ -42,9 +42,10 @@ import pytest
 
 from mokgen import build
 
-needs_sass = pytest.mark.skipif(build.find_ptxas() is None or build.find_nvdisasm() is None,
-                                reason="SASS needs ptxas (PATH or $MOKGEN_PTXAS) and nvdisasm (PATH, "
-                                       "$MOKGEN_NVDISASM or the nvidia-cuda-nvdisasm wheel of the dev extra)")
+_MISSING = [what for what, found in (("ptxas (PATH or $MOKGEN_PTXAS)", build.find_ptxas()),
+                                     ("nvdisasm (PATH, $MOKGEN_NVDISASM or the nvidia-cuda-nvdisasm wheel of the dev "
+                                      "extra)", build.find_nvdisasm())) if found is None]
+needs_sass = pytest.mark.skipif(bool(_MISSING), reason=f"SASS checks need {' and '.join(_MISSING)}: not found")
 
 GEMMS = ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")
 MX_GEMMS = ("gemm1", "gemm2", "gemm1_train", "dgrad1", "dgrad2")   # block-scaled in an MXFP8 entry
