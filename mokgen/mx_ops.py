@@ -200,12 +200,15 @@ def dequantize_cols(q: torch.Tensor, sf: torch.Tensor, rows: int) -> torch.Tenso
 # launch helpers
 
 
-def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str, x: torch.Tensor, rows: int,
-                 **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    K = x.shape[1]
-    q = torch.empty((rows, K), dtype=torch.uint8, device=x.device)
-    sf = torch.empty((fp8.mx_sf_bytes(rows, K // MX),), dtype=torch.uint8, device=x.device)
-    if rows and K and x.shape[0]:
+def _launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str, x: torch.Tensor, rows: int,
+            along_rows: bool, **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate q [rows, C] and the packed codes of x's rows quantized along K = C (32 columns per code) or, with
+    ``along_rows``, down its columns (32 rows per code), and launch ``kernel`` on the current torch stream."""
+    C = x.shape[1]
+    q = torch.empty((rows, C), dtype=torch.uint8, device=x.device)
+    sf_bytes = fp8.mx_sf_bytes(C, rows // MX) if along_rows else fp8.mx_sf_bytes(rows, C // MX)
+    sf = torch.empty((sf_bytes,), dtype=torch.uint8, device=x.device)
+    if rows and C and x.shape[0]:
         with _stream(x):
             call(fns, kernel, table=table, x=x, **kw, q=q, sf=sf)
     return q, sf
@@ -217,7 +220,8 @@ def quantize_gathered_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tenso
     q[r] is x[row_src[r]] quantized, for the used rows (meta[0] * BM, read on the device); the other rows and their
     code bytes stay uninitialized. GEMM 1's A (x) and dgrad1's A (dO)."""
     _check("mx_ops.quantize_gathered_rows", "x", x, 2, {1: 4 * MX})
-    return _rows_launch(fns, "quant_mx_gather", "quant_mx_gather", x, row_src.shape[0], row_src=row_src, meta=meta)
+    return _launch(fns, "quant_mx_gather", "quant_mx_gather", x, row_src.shape[0], False, row_src=row_src,
+                   meta=meta)
 
 
 def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, meta: torch.Tensor,
@@ -225,7 +229,7 @@ def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, m
     """x bf16 [rows, K] of the padded row space -> (q, sf) of its used rows by ``kernel`` (``quant_mx_used`` for
     h, GEMM 2's A; ``quant_mx_dz`` for dz, dgrad2's A; both the ``quant_mx_used`` table)."""
     _check("mx_ops.quantize_used_rows", "x", x, 2, {1: 4 * MX})
-    return _rows_launch(fns, kernel, "quant_mx_used", x, x.shape[0], meta=meta)
+    return _launch(fns, kernel, "quant_mx_used", x, x.shape[0], False, meta=meta)
 
 
 def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kernel: str
@@ -256,25 +260,14 @@ def quantize_w_cols(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kern
     return q, sf
 
 
-def _cols_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str, x: torch.Tensor, rows: int,
-                 **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    C = x.shape[1]
-    q = torch.empty((rows, C), dtype=torch.uint8, device=x.device)
-    sf = torch.empty((fp8.mx_sf_bytes(C, rows // MX),), dtype=torch.uint8, device=x.device)
-    if rows and C and x.shape[0]:
-        with _stream(x):
-            call(fns, kernel, table=table, x=x, **kw, q=q, sf=sf)
-    return q, sf
-
-
 def quantize_gathered_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
                            row_w: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [T, C] (C % 128 == 0) -> (q uint8 [rows, C], sf uint8 [C * rows / 32]) by ``quant_mx_cols_gather``:
-    the row space's used rows x[row_src[r]] (rows of weight row_w 0, the padding, zero) quantized in 32-row blocks down each column; the
-    other rows and their code bytes uninitialized. wgrad1's B (x's rows) and wgrad2's A (dO's rows)."""
+    the row space's used rows x[row_src[r]] (rows of weight row_w 0, the padding, zero) quantized in 32-row blocks
+    down each column; the other rows and their code bytes uninitialized. wgrad1's B (x's rows) and wgrad2's A (dO's rows)."""
     _check("mx_ops.quantize_gathered_cols", "x", x, 2, {1: 4 * MX})
-    return _cols_launch(fns, "quant_mx_cols_gather", "quant_mx_cols_gather", x, row_src.shape[0], row_src=row_src,
-                        row_w=row_w, meta=meta)
+    return _launch(fns, "quant_mx_cols_gather", "quant_mx_cols_gather", x, row_src.shape[0], True, row_src=row_src,
+                   row_w=row_w, meta=meta)
 
 
 def quantize_used_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_w: torch.Tensor,
@@ -283,4 +276,4 @@ def quantize_used_cols(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, r
     ``kernel`` (``quant_mx_sa_cols``: s a, wgrad2's B; ``quant_mx_dz_cols``: dz, wgrad1's A; table
     ``quant_mx_cols_used``); rows of weight row_w 0 (the padding) quantize as zero."""
     _check("mx_ops.quantize_used_cols", "x", x, 2, {1: 4 * MX})
-    return _cols_launch(fns, kernel, "quant_mx_cols_used", x, x.shape[0], row_w=row_w, meta=meta)
+    return _launch(fns, kernel, "quant_mx_cols_used", x, x.shape[0], True, row_w=row_w, meta=meta)
