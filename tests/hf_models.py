@@ -288,8 +288,9 @@ def check_vs_grouped_mm(family: str, device: str, *, batch: int = 2, seq: int = 
 FP8_TOL = dict(logits=0.15, experts=0.2)
 
 
-def check_fp8(family: str, device: str, *, batch: int = 2, seq: int = 24, seed: int = 0) -> dict:
-    """The bf16 model with experts_implementation="mokgen" and ``configure(dtype="fp8")`` against the float32
+def check_fp8(family: str, device: str, *, batch: int = 2, seq: int = 24, seed: int = 0, dtype: str = "fp8") -> dict:
+    """The bf16 model with experts_implementation="mokgen" and ``configure(dtype=dtype)`` ("fp8", or "mxfp8": the
+    e4m3 recipe with e8m0 scales per 32, sm_100a's; on the CPU its launch sequence) against the float32
     model on the same routing (:class:`RoutingReplay`): logits and the experts' weight gradients within
     :data:`FP8_TOL`, every gradient finite, and further from float32 than mokgen BF16 (the FP8 kernels ran, not
     the BF16 ones); the same bits on a rerun. Restores the backend's dtype."""
@@ -306,8 +307,8 @@ def check_fp8(family: str, device: str, *, batch: int = 2, seq: int = 24, seed: 
             rr.record()
             l_ref, g_ref = step(ref, ids)
             stored = rr.stored
-            for name, dtype in (("bf16", "bf16"), ("fp8", "fp8"), ("fp8 again", "fp8")):
-                mt.configure(dtype=dtype)
+            for name, dt in (("bf16", "bf16"), ("fp8", dtype), ("fp8 again", dtype)):
+                mt.configure(dtype=dt)
                 rr.replay(stored)
                 runs[name] = step(bf, ids)
     finally:

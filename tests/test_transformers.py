@@ -229,6 +229,13 @@ def test_model_fp8(family):
     print(family, H.check_fp8(family, "cpu"))
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_model_mxfp8(family):
+    """configure(dtype="mxfp8"): the same model-level check through the MXFP8 launch sequence (sm_100a's plan, its
+    quantizers and block-scaled GEMMs as reference steps; never run on a Blackwell GPU)."""
+    print(family, H.check_fp8(family, "cpu", dtype="mxfp8"))
+
+
 # ---- the weights stay the model's ----------------------------------------------------------------------------
 
 

@@ -60,7 +60,8 @@ def reference_compiler(bm: int = 16, fp8_overrides: Mapping[str, Any] | None = N
     """A factory of CPU ``CompiledMoE`` objects running mokgen's launch sequence with the reference kernels of
     :mod:`mokgen.reference` (training included), routing tile ``bm``: for tests on machines without a GPU. FP8
     specs (``dtype: fp8``) run the launch sequence of their sm_90a plan (the quantize steps; its routing tile),
-    solved with ``fp8_overrides`` (e.g. ``wgrad1_dtype="fp8"``: the FP8 weight gradients and their quantizers)."""
+    solved with ``fp8_overrides`` (e.g. ``wgrad1_dtype="fp8"``: the FP8 weight gradients and their quantizers);
+    MXFP8 specs that of their sm_100a plan (``fp8_overrides`` e.g. ``wgrad1_dtype="mxfp8"``)."""
     from .. import reference
 
     def make(spec: Spec) -> Any:
@@ -70,6 +71,13 @@ def reference_compiler(bm: int = 16, fp8_overrides: Mapping[str, Any] | None = N
             pl = P.solve(spec, "sm_90a", **dict(fp8_overrides or {}))
             fns = reference.reference_kernels(spec, pl.bm, training=True, fp8_wgrads=ops.fp8_wgrads(pl))
             return ops.CompiledMoE(spec, pl, functions=fns, allow_cpu=True)
+        if getattr(spec, "dtype", "bf16") == "mxfp8":   # the MXFP8 launch sequence of its sm_100a plan
+            from .. import kernels
+            from .. import plan as P
+
+            pl = P.solve(spec, "sm_100a", **dict(fp8_overrides or {}))
+            fns = reference.reference_kernels(spec, pl.bm, training=True, mx_wgrads=kernels.mx_wgrads(pl))
+            return ops.CompiledMoE(spec, pl, functions=fns, allow_cpu=True, arch="sm_100a")
         return ops.CompiledMoE(spec, bm, functions=reference.reference_kernels(spec, bm, training=True),
                                allow_cpu=True)
 
