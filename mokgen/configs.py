@@ -113,7 +113,10 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         if (d1.bn // 4) % cfg["dgrad1_z_chunk"]:
             out.append(f"dgrad1_z_chunk: {cfg['dgrad1_z_chunk']} does not divide the {d1.bn // 4} z pairs a thread "
                        f"holds (FP8 dgrad1 bn {d1.bn})")
-    fp8_w = {n for n in ("wgrad1", "wgrad2") if cfg.get(f"{n}_dtype") == "fp8"}
+    # the FP8 weight gradients: asked for, or the default where neither the dtype nor a BF16 tile N is given
+    # (mokgen.plan._solve_dtype's rule)
+    fp8_w = {n for n in ("wgrad1", "wgrad2") if cfg.get(f"{n}_dtype", P.FP8_WGRAD_DEFAULT if cfg.get(
+        f"{n}_bn", P.FP8_BN) == P.FP8_BN else "bf16") == "fp8"}
     for n in ("wgrad1", "wgrad2"):
         if f"{n}_promote" in cfg and n not in fp8_w:
             out.append(f"{n}_promote: the promotion applies to FP8 weight gradients ({n}_dtype=fp8)")
@@ -125,8 +128,8 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
              and not k.endswith(("_dtype", "_promote"))}
     if not out and wgrad:   # the BF16 weight-gradient GEMMs: their own constraints
         out += _check_backward_config(spec, arch, wgrad)
-    if not out and fp8_w and any(k.endswith("_stages") and S.backward_kernel(k) in fp8_w for k in cfg):
-        try:   # the FP8 tile's stages: within what fits (the plan says)
+    if not out and any(S.backward_kernel(k) in fp8_w and not k.endswith("_dtype") for k in cfg):
+        try:   # the FP8 tiles' knobs (stages within what fits, ...): the plan says
             P.solve(spec, arch, **{k: v for k, v in cfg.items() if S.backward_kernel(k) in fp8_w})
         except P.PlanError as e:
             out.append(str(e).removeprefix("plan."))

@@ -710,7 +710,16 @@ def _fp8_wgrad_default(spec: Spec, arch: str, plan: Plan) -> Plan:
     """`plan` with the FP8 weight gradients an FP8 training plan gets by default (FP8_WGRAD_DEFAULT), as solve."""
     if spec.dtype != "fp8" or plan.backward is None:
         return plan
-    return _wgrad_dtypes(spec, arch, plan, dict.fromkeys(WGRAD_DTYPE_KEYS, FP8_WGRAD_DEFAULT), WGRAD_DTYPE_KEYS)
+    plan = _wgrad_dtypes(spec, arch, plan, dict.fromkeys(WGRAD_DTYPE_KEYS, FP8_WGRAD_DEFAULT), WGRAD_DTYPE_KEYS)
+    return _widen_fp8_wgrads(spec, arch, plan, ("wgrad1", "wgrad2"))
+
+
+def _widen_fp8_wgrads(spec: Spec, arch: str, plan: Plan, names: Iterable[str]) -> Plan:
+    """`plan` with FP8 weight gradients `names` on fp8_wgrad_wide's 128 x 256 tile."""
+    if plan.backward is None:
+        raise PlanError(f"plan.{next(iter(names))}_bn: this plan has no backward kernels")
+    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **{
+        n: fp8_wgrad_wide(spec, _fp8_arch(arch), n, getattr(plan.backward, n)) for n in names}))
 
 
 def _candidates_any(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
@@ -1269,12 +1278,18 @@ WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
 # same process, with the rebuilt column quantizers (bench/NOTES.md v17): forward+backward kimi-k2-fp8 6.37 vs 6.69
 # ms, glm-5-fp8 5.53 vs 5.69, qwen3-30b-a3b-fp8 2.17 vs 2.19; the 300-step training check 0.12% from BF16's loss.
 FP8_WGRAD_DEFAULT = "fp8"
-# ... and their promotion: "overlap" (the next K block's wgmma queued before this block's promotion, two per-block
+# ... the promotion of their 128 x 128 tile: "overlap" (the next K block's wgmma queued before this block's promotion, two per-block
 # accumulators; the same products in the same order as "serial", so the same bits). Measured on the H200, same
 # process (bench/NOTES.md v19, forward+backward kimi-k2-fp8, two rounds each): 6.17 / 6.50 ms alone, 6.04 / 6.16
 # with GEMM 1's z ring, against 7.23 / 6.25 serial with z direct (a ~2-3% gain for the pair, not for overlap
 # alone). ``wgrad*_promote`` overrides it.
 FP8_WGRAD_PROMOTE = "overlap"
+# ... and their tile: 128 x 256 (fp8_wgrad_wide: its two column halves promoted in turn, serial) wherever no
+# ``wgrad*_bn`` and no other promotion is asked for. Measured on the H100, same process, 3 rounds (bench/NOTES.md
+# v23), forward+backward against the 128 x 128 overlapped form: kimi-k2-fp8 6.441 vs 6.463 ms, glm-5-fp8 5.347 vs
+# 5.502, deepseek-v4-pro-fp8 7.000 vs 7.183, qwen3.5-397b-a17b-fp8 2.513 vs 2.539, gpt-oss-120b-fp8 8.367 vs
+# 8.398, qwen3-30b-a3b-fp8 2.243 vs 2.244: never slower, 0-2.9% faster. The 128 x 128 forms stay reachable
+# (``wgrad*_bn=128``; the overlap and stagger promotions are forms of that tile) and tune --train searches them.
 
 
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
@@ -1285,8 +1300,9 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 and overrides.get(f"{n}_bn", FP8_BN) == FP8_BN}
     wgrad_dtypes.update({k: FP8_WGRAD_DEFAULT for k in defaults})
     wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
-    # an FP8 weight gradient's tile is fp8_wgrad's (128 x 128, K step 128; with an explicit ``wgrad*_dtype=fp8``,
-    # ``wgrad*_bn=256`` asks for fp8_wgrad_wide's 128 x 256): its stages apply to that tile
+    # an FP8 weight gradient's tile: fp8_wgrad_wide's 128 x 256 (the default: see FP8_WGRAD_PROMOTE), or fp8_wgrad's 128 x 128 where
+    # ``wgrad*_bn=128`` or a promotion other than serial (a form of the 128 x 128 tile) is asked for; its stages
+    # apply to that tile
     fp8_stages, fp8_wide = {}, []
     for key, value in wgrad_dtypes.items():
         name = key.removesuffix("_dtype")
@@ -1300,6 +1316,8 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             if bn == 2 * FP8_BN:
                 fp8_wide.append(name)
                 overrides.pop(f"{name}_bn")
+        elif wgrad_promotes.get(f"{name}_promote", "serial") == "serial":   # the default tile
+            fp8_wide.append(name)
         if f"{name}_stages" in overrides:
             fp8_stages[name] = overrides.pop(f"{name}_stages")
     plan = _solve_dtype_gemms(spec, arch, **overrides)
@@ -1307,11 +1325,8 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         wgrad_dtypes = {k: v for k, v in wgrad_dtypes.items() if k not in defaults}
         fp8_stages = {k: v for k, v in fp8_stages.items() if f"{k}_dtype" not in defaults}
     plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes, defaults)
-    for name in fp8_wide:
-        if plan.backward is None:
-            raise PlanError(f"plan.{name}_bn: this plan has no backward kernels")
-        plan = dataclasses.replace(plan, backward=dataclasses.replace(
-            plan.backward, **{name: fp8_wgrad_wide(spec, _fp8_arch(arch), name, getattr(plan.backward, name))}))
+    if fp8_wide and (plan.backward is not None or any(f"{n}_dtype" not in defaults for n in fp8_wide)):
+        plan = _widen_fp8_wgrads(spec, arch, plan, fp8_wide)
     for name, value in fp8_stages.items():
         g = getattr(plan.backward, name)
         stages, most = _int_override(f"{name}_stages", value), _stages_most(get_arch(arch), g)

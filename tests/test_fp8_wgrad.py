@@ -58,10 +58,13 @@ BF16W = dict(wgrad1_dtype="bf16", wgrad2_dtype="bf16")   # the BF16 weight gradi
 def test_plan_fp8_wgrad_tiles_and_errors():
     spec = _spec()
     pl = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8")
+    narrow = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8", wgrad1_bn=128, wgrad2_bn=128)
     for name in ("wgrad1", "wgrad2"):
-        g = getattr(pl.backward, name)
+        g, w = getattr(narrow.backward, name), getattr(pl.backward, name)
         assert (g.bn, g.bk, g.elem_bytes, g.stage_scale_bytes) == (128, 128, 1, (128 + 128) * 4)
         assert g.smem_bytes() <= 227 * 1024 and g.stages >= 3
+        # the default FP8 tile is 128 x 256 (plan.fp8_wgrad_wide; test_plan_fp8_wgrad_wide)
+        assert (w.bn, w.bk, w.elem_bytes, w.mma_split) == (256, 128, 1, 2)
     base = P.solve(spec, **BF16W)
     assert pl.backward.dgrad1 == base.backward.dgrad1   # only the weight gradients change
     assert P.solve(spec).backward == pl.backward   # FP8 weight gradients are the default (plan.FP8_WGRAD_DEFAULT)
@@ -279,13 +282,19 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
 
 
 def test_plan_fp8_wgrad_wide():
-    """``wgrad*_dtype=fp8, wgrad*_bn=256``: 128 x 256 FP8 weight-gradient tiles (plan.fp8_wgrad_wide): two wgmma
+    """``wgrad*_dtype=fp8, wgrad*_bn=256`` (the default): 128 x 256 FP8 weight-gradient tiles (plan.fp8_wgrad_wide): two wgmma
     halves (mma_split 2) promoted in turn (serial), the stage's scales of 128 + 256 columns, N tiles recounted, as
     many stages as fit; ``wgrad*_bn=256`` without the dtype keeps meaning a BF16 weight gradient; other tile
     widths and other promotions are one-line errors."""
     spec = _spec()
-    base = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8")
+    base = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8", wgrad1_bn=128, wgrad2_bn=128)
     wide = P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=256, wgrad2_dtype="fp8", wgrad2_bn=256)
+    # the default FP8 weight gradients are this form (plan.FP8_WGRAD_PROMOTE's note: measured, v23); a promotion
+    # other than serial asks for the 128 x 128 tile
+    assert P.solve(spec).backward == wide.backward == P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8").backward
+    ov = P.solve(spec, wgrad1_promote="overlap", wgrad2_promote="stagger").backward
+    assert (ov.wgrad1.bn, ov.wgrad1.promote, ov.wgrad2.bn, ov.wgrad2.promote) == (128, "overlap", 128, "stagger")
+    assert ov.wgrad1 == base.backward.wgrad1
     a = P.get_arch("sm_90a")
     for name in ("wgrad1", "wgrad2"):
         g, b = getattr(wide.backward, name), getattr(base.backward, name)
