@@ -1386,6 +1386,9 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                             f"is {spec.dtype}")
         return _solve(spec, arch, **overrides)
     a = _fp8_arch(arch)
+    for key in ("dgrad1_cluster", "dgrad2_cluster"):
+        if key in overrides:
+            raise PlanError(f"plan.{key}: the FP8 dgrads run cluster 1 (fp8_gemm); the pair multicast is BF16's")
     if overrides.get("gemm1_a_load", "tma") != "tma":   # taken by _solve for the BF16 tile, then replaced
         raise PlanError(f"plan.gemm1_a_load: the FP8 GEMM 1 reads quant_rows_gather's e4m3 rows by TMA (tma), got "
                         f"{overrides['gemm1_a_load']!r}")
@@ -1739,7 +1742,7 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
     ``<kernel>_bn`` (rebuilds the GEMM's plan by the default rules for that tile N: stages, raster, dgrad1's z
     chunk = min(Z_CHUNK, bn / 4)), ``dgrad*_consumer`` (stages refit), ``wgrad*_epi_n`` / ``wgrad*_epi_stages``
     (stages refit to what fits beside the epilogue buffers), ``<kernel>_stages`` (within what fits),
-    ``dgrad1_z_chunk``, ``<kernel>_raster_group``."""
+    ``dgrad*_cluster``, ``dgrad1_z_chunk``, ``<kernel>_raster_group``."""
     bwd = {n: getattr(plan.backward, n) for n in BACKWARD_GEMMS}
     changed = False
     for name in BACKWARD_GEMMS:
@@ -1785,6 +1788,17 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
                 raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {most}] for {name} bn {g.bn} "
                                 f"({g.consumer}) on {a.name}, got {stages}")
             bwd[name], changed = dataclasses.replace(g, stages=stages), True
+    for name in ("dgrad1", "dgrad2"):
+        key = f"{name}_cluster"
+        if key in overrides:
+            c, legal = _int_override(key, overrides[key]), _SPACE.values("cluster", name)
+            g = bwd[name]
+            if c not in legal:
+                raise PlanError(f"plan.{key}: must be one of {', '.join(map(str, legal))}, got {c}")
+            # a pair's W tile multicast: z and the output leave the stage ring (z_stage_problem; the output path is
+            # settled afterwards, _settle_epi_store: epi_ring_problem)
+            g = dataclasses.replace(g, cluster=c)
+            bwd[name], changed = (_with_z_load(g) if g.z_load == "tma" else g), True
     if "dgrad1_z_chunk" in overrides:
         g = bwd["dgrad1"]
         zc = _int_override("dgrad1_z_chunk", overrides["dgrad1_z_chunk"])

@@ -85,6 +85,9 @@ SM90 = ArchSpace(
              doc="M tiles per raster panel; derived: L2 fit, tall panels where one group's W exceeds L2/4"),
         Knob("cluster", _FWD, (1, 2), shared=True, search=(1, 2),
              doc="CTAs per cluster along M (2: W tile multicast to the pair)"),
+        Knob("cluster", ("dgrad1", "dgrad2"), (1, 2), search=None,
+             doc="dgrads: CTAs per cluster along M (2: the pair's two M tiles take one W tile, multicast; needs the "
+                 "epilogue through smem and, for dgrad1, z by global loads); derived: 1"),
         Knob("w_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
              doc="L2 eviction priority of the W-tile TMA loads"),
         Knob("a_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
