@@ -281,3 +281,29 @@ def test_wgrad_output_path_by_group_rows():
     assert (mine.epi_store, mine.stages, mine.epi_n, mine.epi_stages) == ("ring", 3, 64, 2)
     kept = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_n=32, wgrad2_epi_stages=2).backward
     assert (kept.wgrad1.epi_store, kept.wgrad1.epi_n, kept.wgrad2.epi_stages) == ("smem", 32, 2)   # overrides kept
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "kimi-k2"])
+def test_dgrad_cluster_override(name):
+    """``dgrad1_cluster=2`` / ``dgrad2_cluster=2`` (opt-in): the dgrad's pair of M tiles takes one W tile by TMA
+    multicast; z and the output leave the stage ring (the template's cluster form asserts both), the other GEMMs
+    are untouched; a bad value, dgrad1's z by TMA beside it and an FP8 spec are one-line errors."""
+    from mokgen import configs
+    from mokgen.emit import emit
+
+    spec = load_spec(name)
+    base = solve(spec, "sm_90a")
+    for key in ("dgrad1", "dgrad2"):
+        p = solve(spec, "sm_90a", **{f"{key}_cluster": 2})
+        g, other = getattr(p.backward, key), ("dgrad2" if key == "dgrad1" else "dgrad1")
+        assert (g.cluster, g.z_load, g.epi_store) == (2, "direct", "smem")
+        assert getattr(p.backward, other) == getattr(base.backward, other)
+        assert (p.gemm1, p.gemm2) == (base.gemm1, base.gemm2) and not configs.check_plan(p)
+        assert "CLUSTER = 2 " in emit(p).files[f"{key}.py"]
+        assert "CLUSTER = 1 " in emit(p).files[f"{other}.py"]
+    with pytest.raises(PlanError, match=r"^plan\.dgrad1_cluster: must be one of 1, 2, got 4$"):
+        solve(spec, "sm_90a", dgrad1_cluster=4)
+    with pytest.raises(PlanError, match=r"^plan\.dgrad1_z_load: tma needs cooperative 128-row tiles without clusters"):
+        solve(spec, "sm_90a", dgrad1_cluster=2, dgrad1_z_load="tma")
+    with pytest.raises(PlanError, match=r"^plan\.dgrad2_cluster: the FP8 dgrads run cluster 1"):
+        solve(load_spec("kimi-k2-fp8"), "sm_90a", dgrad2_cluster=2)
