@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
-from . import sm100_rules as _sm100  # the sm_100a tile rules (TMEM, shared memory): plan and emit_sm100 share them
+from .sm100 import rules as _sm100  # the sm_100a tile rules (TMEM, shared memory): plan and sm100/emit.py share them
 from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
 from .spec import Spec
 

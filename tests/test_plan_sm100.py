@@ -1,7 +1,7 @@
 """The plan's sm_100a rules (mokgen/sm100_rules.py, issue 20): every preset planned for sm_100a (BF16, and MXFP8
 where the spec admits it) keeps every GEMM kernel within the 512 TMEM columns and the CTA's shared memory with
 tiles that divide their problem; overrides that break a budget are refused by ``solve`` in one line naming the
-knob and the budget; the plan's accounting is the one emit_sm100 renders and asserts (the numbers the emitted
+knob and the budget; the plan's accounting is the one mokgen/sm100/emit.py renders and asserts (the numbers the emitted
 sources declare). CPU only, fast: nothing is compiled."""
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from mokgen import configs, sm100_rules as R
+from mokgen import configs
+from mokgen.sm100 import rules as R
 from mokgen.arch import ARCHS
 from mokgen.emit import EmitError, emit
-from mokgen.emit_sm100 import grouped_params, wgrad_params
+from mokgen.sm100.emit import grouped_params, wgrad_params
 from mokgen.plan import MX_BK, PlanError, _tcgen05_budgets, explain, solve
 from mokgen.spec import SpecError, list_presets, load_spec
 

@@ -3,7 +3,7 @@
 
 :mod:`mokgen.plan` checks every GEMM of an sm_100a plan against them (``solve(spec, "sm_100a", ...)`` raises a
 one-line :class:`~mokgen.plan.PlanError` naming the override and the budget it breaks) and ``mokgen plan --explain``
-prints their figures; :mod:`mokgen.emit_sm100` renders each kernel with the tile :func:`kernel_tiles` derives and
+prints their figures; :mod:`mokgen.sm100.emit` renders each kernel with the tile :func:`kernel_tiles` derives and
 asserts the same rules (``EmitError``) before rendering. The accounting follows the templates:
 
 * TMEM (512 fp32 columns per SM): ``ACC_STAGES x PARTS`` accumulators of BN columns (the epilogue of tile i
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .arch import ARCHS
+from ..arch import ARCHS
 
 __all__ = ["Tile", "kernel_tiles", "TMEM_COLUMNS", "UMMA_M", "PAIR_M", "ACC_STAGES", "BARRIER_BYTES",
            "MIN_STAGES", "WGRAD_EPI", "mx_smem"]
@@ -170,7 +170,7 @@ def smem_limit(plan: Any) -> int:
 
 
 def kernel_tiles(plan: Any) -> dict[str, Tile]:
-    """The tile each sm_100a GEMM kernel of `plan` is rendered with (mokgen.emit_sm100 renders these): ``gemm1``
+    """The tile each sm_100a GEMM kernel of `plan` is rendered with (mokgen.sm100.emit renders these): ``gemm1``
     (also ``gemm1_train``) and ``gemm2`` from the plan's forward GEMMs (GEMM 1's bn counts gate + up: bn / 2 per
     part); with a backward, ``dgrad1`` / ``dgrad2`` (the plan's tile N on GEMM 2's K step and epilogue; BF16: as
     many stages as fit, at most the plan's; MXFP8: the plan's) and ``wgrad1`` / ``wgrad2`` (also their ``_acc``
