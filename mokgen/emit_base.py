@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 
 from . import kernels
-from .plan import Plan
+from .plan_types import Plan
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 if not TEMPLATE_DIR.is_dir():  # source checkout: templates/ sits beside the package

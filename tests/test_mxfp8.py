@@ -152,7 +152,8 @@ MX = {"hidden": 1024, "ffn": 512, "experts": 8, "topk": 2, "tokens": 256, "dtype
 
 def test_plan_mxfp8_on_sm100():
     from mokgen.arch import ARCHS
-    from mokgen.plan import MX_BK, solve, tcgen05_mx_smem
+    from mokgen.plan import solve
+    from mokgen.sm100.plan import MX_BK, tcgen05_mx_smem
     from mokgen.spec import load_spec
 
     plan = solve(load_spec(MX), "sm_100a")

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import kernels
 from ..emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
-from ..plan import Plan
+from ..plan_types import Plan
 from .rules import ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"

@@ -1,7 +1,7 @@
 """sm_100a (Blackwell) tile rules: the tensor-memory and shared-memory budgets of the tcgen05 GEMM kernels
 (``templates/sm100/grouped_gemm.py.j2``, ``wgrad.py.j2``), in one place (issue 20: the plan's sm_100a rules).
 
-:mod:`mokgen.plan` checks every GEMM of an sm_100a plan against them (``solve(spec, "sm_100a", ...)`` raises a
+:mod:`mokgen.sm100.plan` checks every GEMM of an sm_100a plan against them (``solve(spec, "sm_100a", ...)`` raises a
 one-line :class:`~mokgen.plan.PlanError` naming the override and the budget it breaks) and ``mokgen plan --explain``
 prints their figures; :mod:`mokgen.sm100.emit` renders each kernel with the tile :func:`kernel_tiles` derives and
 asserts the same rules (``EmitError``) before rendering. The accounting follows the templates:
@@ -16,7 +16,7 @@ asserts the same rules (``EmitError``) before rendering. The accounting follows 
   atoms, W's rows rounded up to 128), the bf16 epilogue buffers (128 x EPI_N x EPI_STAGES), the barriers (1024 B;
   MXFP8 also 1024 B of alignment per buffer).
 
-Light on purpose: no sympy, no torch, no import of the plan (which imports this module).
+Light on purpose: no sympy, no torch, no import of the plan (mokgen.sm100.plan imports this module).
 """
 from __future__ import annotations
 
