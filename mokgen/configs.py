@@ -14,7 +14,7 @@ import itertools
 from typing import Any, Iterator, Mapping
 
 from . import plan as P
-from . import sm100_rules
+from .sm100 import rules as sm100_rules
 from . import space as S
 
 __all__ = ["check_config", "check_plan", "enumerate_configs", "enumerate_backward_configs"]
@@ -219,7 +219,7 @@ def check_plan(plan: Any) -> list[str]:
             out.append(f"{name}.a_hint {g.a_hint!r} but A is not loaded by TMA tiles")
     if plan.backward is not None:
         out += _check_backward_plan(plan)
-    if a.has_tcgen05:   # the sm_100a kernels' tile rules and budgets (TMEM, shared memory): mokgen.sm100_rules
+    if a.has_tcgen05:   # the sm_100a kernels' tile rules and budgets (TMEM, shared memory): mokgen.sm100.rules
         out += [f"{name}.{field}: {why}" for name, t in sm100_rules.kernel_tiles(plan).items()
                 for field, why in t.problems(a.smem_per_cta)]
     fp8_gemms = [("gemm1", plan.gemm1), ("gemm2", plan.gemm2)] + (

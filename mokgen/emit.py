@@ -4,8 +4,8 @@ Output is deterministic (same plan, same bytes) and every file is headed by the 
 the templates, so a generated file says exactly what produced it. Each kernel file is a standalone CuTe DSL
 module defining ``KERNEL_NAME`` and ``compile(arch, extra_options="")`` (see docs/contract.md).
 
-This module renders the sm_90a kernels and is the stage's entry (:func:`emit`): a plan for sm_100a goes to
-mokgen/emit_sm100.py; what both arch renderers share (environment, header, template hash, Sources) is
+This module renders the sm_90a kernels and is the stage's entry (:func:`emit`): a plan for another arch goes to
+that arch's renderer (:data:`ARCH_RENDERERS`: sm_100a's is mokgen/sm100/emit.py); what both arch renderers share (environment, header, template hash, Sources) is
 mokgen/emit_base.py.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jinja2
 from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation, _environment, _header, _table,
                         _w1_strides, template_hash)
 from . import kernels
-from .emit_sm100 import emit_sm100 as _emit_sm100
+from .sm100 import emit as _sm100_emit
 from .plan import L2_HINTS, Plan, epi_ring_problem, z_ring_problem, z_stage_problem
 
 __all__ = ["EXPERIMENTS", "EmitError", "Sources", "TEMPLATE_DIR", "emit", "emit_fp8_quant", "template_hash"]
@@ -30,6 +30,8 @@ _SMEM_BARRIERS = 1024
 # (their numbers stay in bench/NOTES.md): GEMM 1 as two wgmma per k-block, the lagged gather signal, the fused
 # kernel's st.global G2 epilogue. Choices that measured even are plan fields (epi_n, epi_stages).
 EXPERIMENTS = ("fused_profile",)
+# The archs with a renderer of their own (their package's emit.py), by arch; the others are this module's (sm_90a).
+ARCH_RENDERERS = {"sm_100a": _sm100_emit.emit}
 
 
 def _check_smem(plan: Plan, smem: int, what: str) -> None:
@@ -238,10 +240,11 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
     unknown = sorted(set(experimental) - set(EXPERIMENTS))
     if unknown:
         raise EmitError(f"experimental: unknown {unknown}; known {list(EXPERIMENTS)}")
-    if plan.arch == "sm_100a":   # Blackwell: its own GEMM template, the SIMT kernels shared (mokgen/emit_sm100.py)
+    own = ARCH_RENDERERS.get(plan.arch)
+    if own is not None:   # e.g. Blackwell: its own GEMM template, the SIMT kernels shared (mokgen/sm100/emit.py)
         if experimental:
             raise EmitError(f"experimental: {list(experimental)} are sm_90a kernels' options")
-        return _emit_sm100(plan)
+        return own(plan)
     if plan.arch != "sm_90a":
         raise EmitError(f"plan.arch: kernel templates exist for sm_90a and sm_100a, got {plan.arch!r}")
     spec = plan.spec

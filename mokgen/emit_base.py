@@ -1,5 +1,5 @@
 """The emit stage's shared part: what every arch's renderer uses (mokgen/emit.py renders sm_90a and dispatches,
-mokgen/emit_sm100.py renders sm_100a): the jinja2 environment over ``templates/``, the file header, the template
+mokgen/sm100/emit.py renders sm_100a): the jinja2 environment over ``templates/``, the file header, the template
 hash that keys the cache, the render context pieces every arch's kernels share (activation, W1 strides, the
 argument table), and the ``Sources`` value the stage returns.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 
 from . import kernels
-from .plan import Plan
+from .plan_types import Plan
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 if not TEMPLATE_DIR.is_dir():  # source checkout: templates/ sits beside the package
@@ -72,15 +72,16 @@ def _environment() -> jinja2.Environment:
 
 
 def template_hash() -> str:
-    """sha256 over every template file (name and bytes) and the emit stage's modules (emit*.py: this one, sm_90a's
-    and sm_100a's renderers; sm100_rules.py: the sm_100a tiles emit renders): any change re-keys the cache."""
+    """sha256 over every template file (name and bytes) and the emit stage's modules (emit*.py: this one and sm_90a's
+    renderer; each arch package's emit.py and rules.py, e.g. sm100/: its renderer and the tiles it renders), named by
+    their path under mokgen/: any change re-keys the cache."""
     h = hashlib.sha256()
     for path in sorted(TEMPLATE_DIR.rglob("*.j2")):
         h.update(str(path.relative_to(TEMPLATE_DIR)).encode())
         h.update(path.read_bytes())
     here = Path(__file__).resolve().parent
-    for path in sorted([*here.glob("emit*.py"), here / "sm100_rules.py"]):
-        h.update(path.name.encode())
+    for path in sorted([*here.glob("emit*.py"), *here.glob("*/emit.py"), *here.glob("*/rules.py")]):
+        h.update(str(path.relative_to(here)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 

@@ -3,7 +3,9 @@
 The kernels compute two expert-grouped GEMMs over the padded permuted row space (docs/contract.md):
 GEMM1 ``h = SwiGLU(x[rows] . w1ᵀ)`` (N = 2*ffn, K = hidden) and GEMM2 ``ys = h . w2ᵀ`` (N = hidden, K = ffn).
 The rules the sm_90a kernels impose are written as sympy expressions and solved for each candidate tile;
-a cost model ranks the candidates and `explain` prints the whole derivation with its numbers. sympy is
+a cost model ranks the candidates and `explain` prints the whole derivation with its numbers. An arch whose
+kernels differ has its own rules in its package (sm_100a: mokgen/sm100/plan.py), reached through one table,
+:data:`ARCH_RULES`; the plan's types are mokgen/plan_types.py, below both. sympy is
 imported on the first solve (:func:`_rules`), not with this module: the runtime rebuilds a plan from a cache
 entry's ``meta.json`` with :meth:`Plan.from_dict`, which needs none of it.
 """
@@ -12,14 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import types
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, plan.Arch)
-from . import sm100_rules as _sm100  # the sm_100a tile rules (TMEM, shared memory): plan and emit_sm100 share them
+from .plan_types import (  # the plan's types and shared vocabulary (re-exported: plan.Plan, plan.PlanError, ...)
+    BACKWARD_GEMMS, BARRIER_BYTES, BM, CONSUMER_WGS, CONSUMERS, ELEM_BYTES, EPI_BUFFERS, EPI_M, EPI_N,
+    MAX_STAGES, MIN_STAGES, PRODUCER_REGS, SCHEDULES, WGRAD_DTYPE_KEYS, Z_CHUNK, BackwardPlan, GemmPlan, Plan,
+    PlanError, SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct, _settle_streams,
+    _tile_m, fused_tiles_ok, get_arch,
+)
+from .sm100 import plan as _sm100_plan  # the sm_100a plan rules (ARCH_RULES)
 from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
 from .spec import Spec
 
@@ -29,27 +35,11 @@ __all__ = [
 ]
 
 
-class PlanError(ValueError):
-    """No valid plan (or an invalid override); the message is one line starting with the field path."""
-
-
-def get_arch(name: str) -> Arch:
-    try:
-        return ARCHS[name]
-    except (KeyError, TypeError):
-        raise PlanError(f"plan.arch: unknown arch {name!r}; known archs: {', '.join(ARCHS)}") from None
-
-
 # ---- kernel constants (sm_90a, bf16) ---------------------------------------------------------------------
-BM = 128  # M tile: 2 consumer warpgroups x 64 rows (cooperative)
+# (the tile constants a GemmPlan defaults to, BM, MIN_STAGES / MAX_STAGES, the epilogue's, ...: mokgen/plan_types.py)
 BK = 64  # K tile; the spec guarantees hidden % 64 == ffn % 64 == 0
 BN_CHOICES = _SPACE.values("bn", "gemm1")
-CONSUMER_WGS = 2
 WARPGROUP = 128  # threads
-MIN_STAGES, MAX_STAGES = _SPACE.min_stages, _SPACE.max_stages
-EPI_M, EPI_N, EPI_BUFFERS = BM, 32, 2  # epilogue sub-tile (both warpgroups' rows) staged through smem, double-buffered
-BARRIER_BYTES = 1024
-ELEM_BYTES = 2  # bf16
 RASTER_MAX = 8
 # Tall panels where one group's weights for a GEMM exceed L2/4 (they cannot stay in L2 from one panel to the
 # next, so every panel re-reads them from DRAM) and the routed groups span several panels (not _small_groups).
@@ -57,15 +47,10 @@ RASTER_MAX = 8
 # reads 23-42% less from DRAM with panels of 32 M tiles than of 8; GEMM 2, whose h rows belong to one panel,
 # 12-30% less at 16 and more again at 32 once the panel's h rows stop fitting beside the streamed W tiles.
 TALL_RASTER = {1: 32, 2: 16}
-PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
-# Register split (setmaxnreg; 128 * producer + 256 * consumer <= 65536) by how the producer loads A: the
-# cp.async row gather keeps 8 row addresses per thread in registers, the TMA producers almost nothing.
-REGS = {"gather": (56, 224), "tma": (PRODUCER_REGS, 232), "tma_rows": (PRODUCER_REGS, 232)}
 # Epilogue staging choices (plan.gemm*.epi_n / epi_stages; overrides epi_n, epi_stages): 32-column slices in
 # 2 buffers; 64 columns or 4 buffers measured within 1% on the H200 (bench/NOTES.md v2).
 EPI_NS = _SPACE.values("epi_n")
 EPI_STAGE_CHOICES = _SPACE.values("epi_stages")
-Z_CHUNK = 16
 REG_OVERHEAD = 64  # consumer registers besides the accumulator (addresses, epilogue, SwiGLU): an estimate
 # Mainloop efficiency of one tile relative to the measured peak, by tile N. Guesses, to be replaced by tune
 # measurements: narrow tiles re-read A more often per flop and keep fewer wgmma in flight.
@@ -107,18 +92,11 @@ CLUSTERS = _SPACE.values("cluster", "gemm1")
 # L2 eviction priority of a GEMM's TMA loads (W tiles: w_hint; A tiles loaded by TMA: a_hint), as the 64-bit
 # cache policies of createpolicy.fractional (fraction 1.0): "normal" issues no hint
 L2_HINTS = {"normal": None, "first": 0x12F0000000000000, "last": 0x14F0000000000000}
-# How the two consumer warpgroups share the work: "cooperative" = both on one 128-row tile (64 rows each);
-# "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
-# mainloop keeps the tensor cores busy (W tiles are then loaded once per 64 rows instead of 128).
-CONSUMERS = _SPACE.values("consumer", "gemm1")
 # Mainloop efficiency of a ping-pong tile relative to a cooperative one, per GEMM, from the H200 (bench/NOTES.md
 # v3): GEMM 1 ran 4-6% slower per flop (its W tiles are loaded once per 64 rows instead of 128), GEMM 2's hidden
 # epilogue was worth up to 8-19% in short bursts but nothing in the sustained, power-capped benchmark. What
 # ping-pong does win is padding: both GEMMs ping-pong pad the routed groups to 64 rows instead of 128.
 PINGPONG_EFF = {1: 0.95, 2: 1.0}
-# "chain": routing, GEMM 1, GEMM 2, combine as separate launches; "fused": routing, then one persistent kernel
-# for GEMM 1 + GEMM 2 + combine (templates/sm90/fused.py.j2), which needs gemm1.bn == gemm2.bn | hidden
-SCHEDULES = _SPACE.values("schedule")
 RASTER_OVERRIDE_MAX = max(_SPACE.values("raster_group", "gemm1"))
 
 # ---- the rules, symbolically -------------------------------------------------------------------------------
@@ -154,11 +132,6 @@ def __getattr__(name: str) -> Any:
 
 def _epi_bytes() -> int:
     return EPI_M * EPI_N * ELEM_BYTES * EPI_BUFFERS
-
-
-def _tile_m(consumer: str) -> int:
-    """Rows of A per pipeline stage: the whole M tile (cooperative) or one warpgroup's half of it (pingpong)."""
-    return BM if consumer == "cooperative" else BM // CONSUMER_WGS
 
 
 def _stage_bytes(bn: int, consumer: str = "cooperative") -> int:
@@ -215,93 +188,7 @@ def cap_rows(spec: Spec, bm: int, tokens: int) -> int:
     return -(-worst // bm) * bm
 
 
-def _gemm_shape(spec: Spec, which: int) -> tuple[int, int]:
-    """(N, K) of GEMM1 or GEMM2."""
-    return (2 * spec.ffn, spec.hidden) if which == 1 else (spec.hidden, spec.ffn)
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """One expert-grouped GEMM. Tile t of the persistent loop maps to panel = t // (raster_group * n_tiles) and,
-    inside the panel, m = panel * raster_group + t % raster_group, n = (t // raster_group) % n_tiles: the M tile
-    varies fastest, so the B tile is reused by raster_group consecutive tiles while the panel's A rows stay in L2."""
-
-    bm: int
-    bn: int
-    bk: int
-    stages: int
-    consumer_wgs: int  # 2 = cooperative: each warpgroup computes 64 rows of the 128-row tile
-    epi_m: int
-    epi_n: int
-    raster_group: int
-    a_load: str  # "gather" (cp.async row gather, GEMM1) or "tma"
-    n_tiles: int
-    k_tiles: int
-    cluster: int = 1  # CTAs per cluster along M: 2 = pairs of M tiles share (multicast) their W tile
-    consumer: str = "cooperative"  # see CONSUMERS
-    w_hint: str = "normal"  # L2 eviction priority of the W-tile loads (see L2_HINTS)
-    a_hint: str = "normal"  # ... of the A-tile loads where TMA reads them (GEMM 2; GEMM 1 with a_load "tma")
-    epi_stages: int = EPI_BUFFERS  # epilogue smem buffers of epi_n columns (per consumer warpgroup in ping-pong)
-    # dgrad1's dSwiGLU epilogue: z pairs per thread whose loads are issued together (at most the bn / 4 pairs a
-    # thread holds; more in flight hide more latency, each costs 2 registers)
-    z_chunk: int = Z_CHUNK
-    elem_bytes: int = ELEM_BYTES  # bytes per operand element: 2 (bf16) or 1 (e4m3, FP8 specs: see fp8_gemm)
-    promote: str = "serial"  # FP8: "serial", "stagger" or "overlap" (templates/sm90/_blocks.py.j2 mainloop_fp8*)
-    # dgrad1's z: "tma" = through the stage ring (z_stage_problem), "direct" = global loads by the consumer threads
-    z_load: str = "direct"
-    # GEMM 1 of a training step (gemm1_train) stores z: "ring" = through the stage ring beside its output, TMA-stored
-    # by the storer warp (z_ring_problem), "direct" = 4-byte global stores by the consumer threads
-    z_store: str = "direct"
-    # the bf16 output: "ring" = through the stage ring, TMA-stored by a storer warp (epi_ring_problem); "smem" =
-    # through the epi_stages buffers of epi_n columns, TMA-stored by the first consumer warp
-    epi_store: str = "smem"
-    # FP8: wgmma issues per K block along N. 2 = the tile's bn columns computed as two halves of bn / 2, each
-    # summed into the per-block accumulator and promoted in turn (128 x 256 FP8 tiles: the whole-tile fp32
-    # accumulator plus one half-width per-block one fit the registers; see fp8_widen)
-    mma_split: int = 1
-    # FP8 weight gradients: bytes of fp32 scales each stage also holds (the K block's scales of the tile's A and B
-    # columns, TMA-loaded with the operands: (tile_m + bn) * 4); 0 elsewhere
-    stage_scale_bytes: int = 0
-
-    @property
-    def tile_m(self) -> int:
-        """Rows per tile of the persistent loop (and per pipeline stage)."""
-        return _tile_m(self.consumer)
-
-    @property
-    def regs(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread (setmaxnreg), by how A is loaded (REGS)."""
-        return REGS[self.a_load]
-
-    def panel_tiles(self, group_m: int) -> int:
-        """Raster panel height in the kernel's work units (tiles of tile_m rows, or cluster pairs of them): the
-        plan's raster_group counts routing tiles of group_m rows, so the panels span the same rows whatever the
-        tile and cluster."""
-        return max(1, self.raster_group * (group_m // self.tile_m) // self.cluster)
-
-    def smem_bytes(self, parts_bn: int | None = None) -> int:
-        """Shared memory of the grouped-GEMM kernel: the stage ring, the epilogue buffers, the barriers."""
-        bn = self.bn if parts_bn is None else parts_bn
-        epi_sets = 2 if self.consumer == "pingpong" else 1
-        return (self.stages * ((self.tile_m + bn) * self.bk * self.elem_bytes + self.stage_scale_bytes)
-                + epi_sets * self.tile_m * self.epi_n * ELEM_BYTES * self.epi_stages + BARRIER_BYTES)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GemmPlan:
-        return cls(**_fields(cls, data, "plan.gemm"))
-
-
-# The backward's four expert-grouped GEMMs (bf16 in, fp32 accumulate; docs/contract.md "Backward"):
-#   dgrad1  dA' = dOg . W2          rows x I,  K = H   (dSwiGLU + router-gradient epilogue)
-#   dgrad2  dxs = dz . W1           rows x H,  K = 2I  (plain store; combine sums each token's slots)
-#   wgrad1  dW1[g] = dzᵀ . xg       2I x H per group, K = the group's rows (varlen-K)
-#   wgrad2  dW2[g] = dOgᵀ . (s a)   H x I  per group, K = the group's rows
-BACKWARD_GEMMS = ("dgrad1", "dgrad2", "wgrad1", "wgrad2")
 BWD_BN_CHOICES = (256, 192, 128, 64)  # widest first; 64 always divides (the spec keeps H, I multiples of 64)
-BWD_STREAMS = _SPACE.values("streams", "bwd")  # BackwardPlan.streams (override bwd_streams)
 
 
 def backward_shape(spec: Spec, name: str) -> tuple[int, int, int | None]:
@@ -310,42 +197,6 @@ def backward_shape(spec: Spec, name: str) -> tuple[int, int, int | None]:
     H, I = spec.hidden, spec.ffn
     return {"dgrad1": (None, I, H), "dgrad2": (None, H, 2 * I), "wgrad1": (2 * I, H, None),
             "wgrad2": (H, I, None)}[name]
-
-
-@dataclass(frozen=True)
-class BackwardPlan:
-    """Tiles of the backward GEMMs (GemmPlan each; a wgrad's k_tiles is 0: its K is each group's rows), and how
-    the backward's kernels are launched: ``streams`` 1 (one stream, in order) or 2 (after dgrad1, the weight
-    gradients and the x-row gather run on a second stream beside dgrad2 and the combine, so each kernel's last,
-    partial wave is filled by the other stream's work; dgrad2 then writes into a buffer of its own, one more
-    [rows, hidden] bf16 tensor alive during the backward). The kernels and their bits are the same either way."""
-
-    dgrad1: GemmPlan
-    dgrad2: GemmPlan
-    wgrad1: GemmPlan
-    wgrad2: GemmPlan
-    streams: int = 1
-    # the training forward's GEMM 1 (gemm1_train) where it differs from the inference GEMM 1 (plan.gemm1): its A
-    # rows by TMA from the gather kernel's rows and z through the stage ring (see _settle_z_store); None: as gemm1
-    gemm1_train: GemmPlan | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.streams, bool) or self.streams not in BWD_STREAMS:
-            raise PlanError(f"plan.backward.streams: must be one of {', '.join(map(str, BWD_STREAMS))}, "
-                            f"got {self.streams!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {**{n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}, "streams": self.streams}
-        if self.gemm1_train is not None:
-            d["gemm1_train"] = self.gemm1_train.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "BackwardPlan":
-        d = _fields(cls, data, "plan.backward")
-        g1t = d.get("gemm1_train")
-        return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS}, streams=d.get("streams", 1),
-                   gemm1_train=GemmPlan.from_dict(g1t) if g1t is not None else None)
 
 
 def _backward_bn_problem(spec: Spec, arch: Arch, name: str, bn: Any) -> str | None:
@@ -420,84 +271,6 @@ def backward_plan(spec: Spec, arch: Arch, bm: int) -> BackwardPlan:
     return BackwardPlan(**{n: _backward_gemm(spec, arch, n, bm) for n in BACKWARD_GEMMS})
 
 
-def fused_tiles_ok(spec: Spec, g1: GemmPlan, g2: GemmPlan) -> bool:
-    """The fused kernel shares one B operand of bn rows between its GEMMs: gemm1.bn == gemm2.bn | hidden."""
-    return g1.bn == g2.bn and spec.hidden % g2.bn == 0
-
-
-@dataclass(frozen=True)
-class Plan:
-    spec: Spec
-    arch: str
-    gemm1: GemmPlan
-    gemm2: GemmPlan
-    bm: int
-    cap_rows: int
-    max_m_tiles: int
-    chunk_rows: int  # MoK overlap granularity: GEMM2 may start on a chunk of rows once GEMM1 has written them
-    waves1: float
-    waves2: float
-    predicted_ms: float
-    predicted_tflops: float
-    notes: tuple[str, ...] = ()
-    schedule: str = "chain"  # see SCHEDULES
-    backward: BackwardPlan | None = None  # the training kernels' tiles (None: a plan dict from before them)
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.schedule == "fused":
-            if not fused_tiles_ok(self.spec, self.gemm1, self.gemm2) or self.gemm1.a_load != "gather":
-                raise PlanError(
-                    f"plan.schedule: 'fused' needs gemm1.bn == gemm2.bn dividing hidden {self.spec.hidden} and "
-                    f"gemm1.a_load 'gather', got bn {self.gemm1.bn}/{self.gemm2.bn}, a_load {self.gemm1.a_load!r}")
-        if "pingpong" in (self.gemm1.consumer, self.gemm2.consumer) and self.schedule == "fused":
-            raise PlanError("plan.consumer: the fused schedule's tiles are cooperative (128 rows per task)")
-        for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
-            if g.consumer not in CONSUMERS:
-                raise PlanError(f"plan.{name}.consumer: must be one of {', '.join(CONSUMERS)}, got {g.consumer!r}")
-            if g.bm % g.tile_m:
-                raise PlanError(f"plan.{name}.bm: {g.bm} is not a multiple of its {g.tile_m}-row tiles")
-        if not self.gemm1.bm == self.gemm2.bm == self.bm:
-            raise PlanError(
-                f"plan.bm: GEMM1 and GEMM2 must share the M tile, got {self.gemm1.bm}, {self.gemm2.bm}, {self.bm}")
-        object.__setattr__(self, "notes", tuple(self.notes))
-
-    @property
-    def train_gemm1(self) -> GemmPlan:
-        """The training forward's GEMM 1 (gemm1_train): ``backward.gemm1_train`` where the plan splits it off,
-        else the inference GEMM 1."""
-        g1t = self.backward.gemm1_train if self.backward is not None else None
-        return g1t if g1t is not None else self.gemm1
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d.update(spec=self.spec.to_dict(), gemm1=self.gemm1.to_dict(), gemm2=self.gemm2.to_dict(),
-                 notes=list(self.notes), backward=self.backward.to_dict() if self.backward else None)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        d = _fields(cls, data, "plan")
-        d.update(spec=Spec.from_dict(d["spec"]), gemm1=GemmPlan.from_dict(d["gemm1"]),
-                 gemm2=GemmPlan.from_dict(d["gemm2"]))
-        if d.get("backward") is not None:
-            d["backward"] = BackwardPlan.from_dict(d["backward"])
-        return cls(**d)
-
-    def canonical_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-
-
-def _fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    if not isinstance(data, Mapping) or not names - optional <= set(data) <= names:
-        got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
-        raise PlanError(f"{where}: expected the keys {sorted(names)}, got {got}")
-    return dict(data)
-
-
 # ---- candidates ----------------------------------------------------------------------------------------------
 def _gemm_problem(spec: Spec, arch: Arch, which: int, bn: Any) -> str | None:
     """Why tile N `bn` cannot be used for GEMM `which`, or None."""
@@ -545,40 +318,6 @@ def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
         a_load=_gemm1_a_load(spec) if which == 1 else "tma",
         n_tiles=-(-n // bn), k_tiles=k // BK,
     )
-
-
-def _m_tiles(spec: Spec, bm: int = BM) -> int:
-    """Expected M tiles of `bm` rows at spec.tokens under random routing: each routed group's row count is
-    spread around T*K/E, so its padding to a multiple of bm averages (bm-1)/2 rows (the remainders are close
-    to uniform; the H200 runs measured gpt-oss-120b at 185 tiles of 128 where this gives 191); every shared
-    group gets exactly T rows."""
-    routed = (spec.routed_rows + spec.local_experts * (bm - 1) / 2) / bm
-    return max(1, round(routed)) + spec.shared_experts * -(-spec.tokens // bm)
-
-
-@dataclass(frozen=True)
-class _GemmCost:
-    flops: int  # useful flops
-    bytes: int  # HBM traffic: weights (+ biases), A rows, output rows
-    tiles: int
-    row_eff: float  # useful / padded rows
-    n_eff: float  # N / (n_tiles * bn): below 1 with a partial N tile
-    wave_eff: float  # tiles / (ceil(waves) * sms)
-    mainloop_eff: float
-    compute_ms: float
-    memory_ms: float
-
-    @property
-    def eff(self) -> float:
-        return self.row_eff * self.n_eff * self.wave_eff * self.mainloop_eff
-
-    @property
-    def ms(self) -> float:
-        return max(self.compute_ms, self.memory_ms)
-
-    @property
-    def bound(self) -> str:
-        return "memory" if self.memory_ms > self.compute_ms else "compute"
 
 
 # The FP8 forward GEMMs' mainloop efficiency against the arch's dense FP8 rate (Arch.peak_fp8_tflops), per GEMM and
@@ -700,8 +439,8 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     """Every valid (GEMM1 bn, GEMM2 bn) plan, best first (FP8 specs: the FP8 forms of the cooperative BF16
     candidates, distinct ones only, in the BF16 ranking), each GEMM's output path settled as :func:`solve` does."""
     _mxfp8_arch(spec, arch)
-    if get_arch(arch).has_tcgen05:   # sm_100a: one form (its rules) until it has its own ranking
-        return [_tcgen05_form(spec, arch, {})]
+    if (own := _own_rules(arch)) is not None:   # e.g. sm_100a: one form (its rules) until it has its own ranking
+        return [own.solve(spec, arch, {}, _shared_solver())]
     return [_settle_z_store(_fp8_wgrad_default(spec, arch, _settle_epi_store(p, {})), None)
             for p in _candidates_any(spec, arch)]
 
@@ -864,20 +603,6 @@ def parse_overrides(text: str, what: str = "plan") -> dict[str, Any]:
     return out
 
 
-def _gemm_override(overrides: Mapping[str, Any], which: int, name: str) -> tuple[str, Any] | None:
-    """(key, value) of the override of `name` for GEMM `which`: ``gemm<which>_<name>`` wins over ``<name>``."""
-    for key in (f"gemm{which}_{name}", name):
-        if key in overrides:
-            return key, overrides[key]
-    return None
-
-
-def _int_override(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"plan.{key}: must be an integer, got {value!r}")
-    return value
-
-
 EPI_KERNELS = ("gemm1", "gemm2") + BACKWARD_GEMMS   # the GEMMs whose output path is a plan choice (epi_store)
 
 
@@ -953,8 +678,8 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         if k != "epi_store" and k.removesuffix("_epi_store") not in EPI_KERNELS:
             raise PlanError(f"plan.{k}: unknown override; allowed: {', '.join(OVERRIDES)}")
     _mxfp8_arch(spec, arch)
-    if get_arch(arch).has_tcgen05:   # sm_100a: its kernels' form
-        return _tcgen05_form(spec, arch, overrides)
+    if (own := _own_rules(arch)) is not None:   # e.g. sm_100a: its kernels' form
+        return own.solve(spec, arch, overrides, _shared_solver())
     streams = overrides.get("bwd_streams")
     rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store")}
     plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi, given=rest)
@@ -962,290 +687,33 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     return _settle_streams(plan, streams)
 
 
-# sm_100a (Blackwell): the plan's sm_100a rules until its own cost model exists. The forward GEMMs are
-# mokgen/emit_sm100.py's tcgen05 kernels, which read GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per
-# 128-row UMMA tile (cooperative, cluster 1) in the chain schedule; their tile N and default stages are solved here
-# with the sm_90a rules and cost model (a bf16 1-CTA ring costs the same bytes per stage on both archs). The
-# backward's tiles (N, K step) come from the same rules; its sm_90a-only knobs (dgrad1's z through the ring, the
-# ring epilogue) are settled off, and its knobs are not overridable yet (issue 20). Every kernel's tile is then
-# checked against the sm_100a budgets, the 512 TMEM columns and the CTA's shared memory, by mokgen/sm100_rules.py
-# (_tcgen05_budgets; emit_sm100 renders those tiles and asserts the same rules): an override that breaks one is a
-# PlanError here, the forward GEMMs' ``gemm*_stages`` bounded by the sm_100a ring (the 2-CTA form's CTA holds half
-# of each W box, so more stages fit). Opt-in, BF16: cluster 2 (``cluster`` for both forward GEMMs, ``gemm1_cluster`` /
-# ``gemm2_cluster`` for one) plans the 2-CTA form, a CTA pair (cluster of 2 along M) computing a 256-row tile with
-# tcgen05.mma cta_group::2; a pair's rows must belong to one group, so the routing tile (plan.bm) becomes
-# TCGEN05_PAIR_BM and every kernel of the entry (routing, gather, combine, the backward's 1-CTA GEMMs and weight
-# gradients) follows it. The default stays 1-CTA: nothing of the 2-CTA form has run on a GPU.
-TCGEN05_ONLY = {"schedule": "chain", "gemm1_a_load": "tma",
-                 "consumer": "cooperative", "gemm1_consumer": "cooperative", "gemm2_consumer": "cooperative"}
-TCGEN05_CLUSTERS = (1, 2)   # 1: 1-CTA tiles (cta_group 1); 2: the 2-CTA form (cta_group 2)
-TCGEN05_PAIR_BM = 256       # the 2-CTA form's routing tile: one pair tile (2 x 128 rows)
+# ---- the archs with plan rules of their own --------------------------------------------------------------------
+# An arch whose kernels are not sm_90a's has its rules in its package's plan.py (sm_100a: mokgen/sm100/plan.py), a
+# module with solve(spec, arch, overrides, shared) -> Plan (`shared`: this module's solver, SharedSolver) and the
+# explain parts that differ: explain_gemm, explain_tile, explain_clusters, explain_backward_gemm, explain_budgets.
+# The other archs are this module's (sm_90a's rules). Adding an arch: its package, and its row here.
+ARCH_RULES = {"sm_100a": _sm100_plan}
 
 
-def _tcgen05_clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[int, int]:
-    """The forward GEMMs' cluster on a tcgen05 arch ({1: c1, 2: c2}): 1 (1-CTA tiles) unless overridden to 2
-    (the 2-CTA form; BF16 only so far), each refused in one line."""
-    out = {}
-    for which in (1, 2):
-        found = _gemm_override(overrides, which, "cluster")
-        if found is None:
-            out[which] = 1
-            continue
-        key, value = found
-        if isinstance(value, bool) or value not in TCGEN05_CLUSTERS:
-            raise PlanError(f"plan.{key}: the {arch} GEMMs run cluster 1 (1-CTA tiles) or 2 (a CTA pair on a "
-                            f"{TCGEN05_PAIR_BM}-row tile, tcgen05 cta_group 2), got {value!r}")
-        if value == 2 and spec.dtype != "bf16":
-            raise PlanError(f"plan.{key}: the {arch} 2-CTA form (cluster 2) is BF16 only so far; dtype "
-                            f"{spec.dtype} runs 1-CTA tiles")
-        out[which] = value
-    return out
+def _own_rules(arch: str) -> Any:
+    """The plan rules of `arch` where it has its own (ARCH_RULES), else None; an unknown arch is a PlanError."""
+    get_arch(arch)
+    return ARCH_RULES.get(arch)
 
 
-def _tcgen05_form(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> Plan:
-    """The plan of an arch whose GEMMs are mokgen/emit_sm100.py's tcgen05 kernels (arch.py: has_tcgen05; sm_100a):
-    the forward in their form and the backward with the default tiles; ``wgrad*_dtype`` (mxfp8 specs): a weight
-    gradient in MXFP8 (:func:`_tcgen05_mx_wgrads`)."""
-    wgrad_dtypes = {k: overrides[k] for k in WGRAD_DTYPE_KEYS if k in overrides}
-    overrides = {k: v for k, v in overrides.items() if k not in wgrad_dtypes}
-    for key, value in overrides.items():
-        if key in TCGEN05_ONLY and value != TCGEN05_ONLY[key]:
-            raise PlanError(f"plan.{key}: the {arch} kernels run {key} {TCGEN05_ONLY[key]!r} only so far, "
-                            f"got {value!r}")
-        if key.startswith(("dgrad", "wgrad")):
-            raise PlanError(f"plan.{key}: the {arch} backward GEMMs take the default tiles only so far")
-        if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint") or key.endswith("z_store"):
-            raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
-    if spec.dtype not in ("bf16", "mxfp8"):
-        raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "
-                        f"recipe, sm_90a); on {arch} the FP8 format is dtype mxfp8 (e8m0 scales per 32 elements)")
-    clusters = _tcgen05_clusters(spec, arch, overrides)
-    # the forward GEMMs' stages: checked against the sm_100a budgets below (_tcgen05_budgets), not the sm_90a rules
-    stage_overrides = {k: overrides[k] for k in ("gemm1_stages", "gemm2_stages") if k in overrides}
-    if spec.dtype == "mxfp8":
-        for key in overrides:
-            if key.split("_")[-1] in ("bn", "bk", "stages") or key.endswith(("epi_n", "epi_stages")):
-                raise PlanError(f"plan.{key}: the {arch} MXFP8 GEMMs take their fixed tiles so far (GEMM 1 128 x "
-                                f"{MX_BN[1]}, GEMM 2 128 x {MX_BN[2]}, K tile {MX_BK}, as many stages as fit)")
-    rest = {k: v for k, v in overrides.items()
-            if k not in ("schedule", "consumer", "bwd_streams", "cluster", "gemm1_cluster", "gemm2_cluster")
-            and k not in stage_overrides}
-    plan = _solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
-    g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
-    g2 = dataclasses.replace(plan.gemm2, cluster=1)
-    for key, value in stage_overrides.items():
-        stages = _int_override(key, value)
-        if not MIN_STAGES <= stages <= MAX_STAGES:
-            raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {MAX_STAGES}], got {stages}")
-        if key == "gemm1_stages":
-            g1 = dataclasses.replace(g1, stages=stages)
-        else:
-            g2 = dataclasses.replace(g2, stages=stages)
-    pair_notes: tuple[str, ...] = ()
-    if 2 in clusters.values():   # the 2-CTA form: the plan rebuilt on 256-row routing tiles
-        a = get_arch(arch)
-        c1, c2, _ = _costs(spec, a, plan.gemm1, plan.gemm2)
-        own = tuple(n for n in plan.notes if n not in _auto_notes(spec, a, plan.gemm2, c1, c2))
-        g1 = dataclasses.replace(g1, bm=TCGEN05_PAIR_BM, cluster=clusters[1])
-        g2 = dataclasses.replace(g2, bm=TCGEN05_PAIR_BM, cluster=clusters[2])
-        plan = _make_plan(spec, a, g1, g2)
-        plan = dataclasses.replace(plan, notes=plan.notes + own)
-        paired = [f"GEMM {w}" for w in (1, 2) if clusters[w] == 2]
-        pair_notes = (f"overrides: {', '.join(f'{k}={overrides[k]}' for k in sorted(overrides) if k.endswith('cluster'))}"
-                      f": {' and '.join(paired)} in the 2-CTA form (a CTA pair on a {TCGEN05_PAIR_BM}-row tile, "
-                      f"tcgen05.mma cta_group 2), routing tiles of {TCGEN05_PAIR_BM} rows; never run on a GPU",)
-    backward = plan.backward
-    if backward is not None:   # the tcgen05 dgrads read z and write dz from registers and store through smem
-        backward = dataclasses.replace(backward, **{
-            n: dataclasses.replace(getattr(backward, n), consumer="cooperative", cluster=1, z_load="direct",
-                                   epi_store="smem")
-            for n in BACKWARD_GEMMS})
-    notes = tuple(n for n in plan.notes if not n.startswith("overrides: consumer=cooperative")
-                  and not n.startswith("overrides: schedule=chain"))
-    notes += (f"{arch}: the tcgen05 GEMMs (GEMM 1 on gathered rows, the backward's dgrads with W read N-major and "
-              f"varlen-K weight gradients), chain schedule; compiled here, never run on a Blackwell GPU (issue 20)",)
-    notes += pair_notes
-    plan = dataclasses.replace(plan, gemm1=g1, gemm2=g2, backward=backward, notes=notes)
-    if spec.dtype == "mxfp8":
-        plan = _tcgen05_mxfp8(plan)
-    plan = _tcgen05_mx_wgrads(plan, wgrad_dtypes)
-    plan = _settle_streams(plan, overrides.get("bwd_streams"))
-    _tcgen05_budgets(plan, overrides)
-    return plan
+def _shared_solver() -> SharedSolver:
+    """This module's solver as an arch's own rules use it: the sm_90a rules and cost model, and :func:`_replan`."""
+    return SharedSolver(solve=_solve, replan=_replan)
 
 
-# The overrides that shape each sm_100a kernel's tile (mokgen.sm100_rules.kernel_tiles), by the field a rule
-# checks: a broken budget is reported against the first of them that was given. The dgrads run GEMM 2's K step and
-# epilogue; the backward's own tiles are not overridable on sm_100a yet.
-_TCGEN05_KNOBS = {
-    "stages": ("{k}_stages", "epi_stages", "epi_n", "{k}_bn", "{k}_cluster", "cluster"),
-    "bn": ("{k}_bn", "{k}_cluster", "cluster"),
-    "bk": ("{k}_bn",),
-    "cluster": ("{k}_cluster", "cluster"),
-}
-_TCGEN05_TITLES = {"gemm1": "GEMM 1", "gemm2": "GEMM 2", "dgrad1": "dgrad1", "dgrad2": "dgrad2", "wgrad1": "wgrad1",
-                   "wgrad2": "wgrad2"}
-
-
-def _tcgen05_budgets(plan: Plan, overrides: Mapping[str, Any]) -> None:
-    """Every GEMM kernel of an sm_100a plan (forward, dgrads, weight gradients; BF16 or MXFP8) within its tile rules
-    and budgets (mokgen.sm100_rules: the 512 TMEM columns per SM, the CTA's shared memory), else a one-line
-    PlanError naming the override that broke it (or the plan's GEMM where none did) and the budget."""
-    limit = get_arch(plan.arch).smem_per_cta
-    for name, tile in _sm100.kernel_tiles(plan).items():
-        problems = tile.problems(limit)
-        if not problems:
-            continue
-        field, why = problems[0]
-        keys = [k.format(k=name) for k in _TCGEN05_KNOBS.get(field, ())]
-        if name.startswith("dgrad"):   # GEMM 2's K step and epilogue
-            keys = [k for k in keys if k in ("epi_stages", "epi_n")]
-        key = next((k for k in keys if k in overrides), None)
-        where = key or (name if name.startswith("gemm") else f"backward.{name}")
-        raise PlanError(f"plan.{where}: {_TCGEN05_TITLES[name]} on {plan.arch}: {why}")
-
-
-# MXFP8 on tcgen05 (dtype mxfp8, sm_100a): e4m3 operands, one e8m0 scale per 32 K elements, the block-scaled MMA
-# (kind::mxf8f6f4.block_scale) reading the scales from tensor memory. K tile 128 (one scale-factor atom column:
-# 4 scales per row, mokgen.fp8.pack_mx_scales); tile N per part 128 (one 128-row SF atom of W per K step; GEMM 1:
-# gate and up, bn 256 in the plan's count). Training: the dgrads in the same form (tile N 128, K tile 128, their
-# W copies read MN-major with scales along K), the weight gradients BF16 from the bf16 tensors (the sm_100a wgrads).
-MX_BK = 128
-MX_BN = {1: 256, 2: 128}   # plan.gemm*.bn (GEMM 1 counts gate + up)
-MX_SF_STAGE = 512          # bytes of one 128-row x 4-scale SF atom (one K step of 128 rows)
-
-
-MX_MAX_STAGES = 16
-
-
-def tcgen05_mx_smem(parts: int, bn: int, bk: int, stages: int, epi_n: int, epi_stages: int) -> int:
-    """Shared memory of an sm_100a MXFP8 grouped GEMM (mokgen.sm100_rules, which emit_sm100 checks too): per stage
-    the A box (128 x bk e4m3), `parts` W boxes (bn x bk), their scale atoms (A: 128 rows, W: bn rows rounded up to
-    128, bk / 32 scales each); the bf16 epilogue buffers; barriers; 1024 bytes of alignment per buffer."""
-    return _sm100.mx_smem(parts, bn, bk, stages, epi_n, epi_stages)
-
-
-def _mx_gemm(a: Arch, g: GemmPlan, parts: int, bn: int, n_out: int, k_dim: int) -> GemmPlan:
-    """GEMM plan `g` in the MXFP8 form: e4m3 (elem_bytes 1), tile N `bn` (counting every part), K tile MX_BK, as
-    many stages as fit the shared memory with their scale atoms (mokgen.sm100_rules), at most MX_MAX_STAGES."""
-    tile = _sm100.Tile(parts, bn // parts, MX_BK, 0, g.epi_n, g.epi_stages, mx=True)
-    return dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1,
-                               stages=tile.stages_fit(a.smem_per_cta, most=MX_MAX_STAGES),
-                               n_tiles=-(-n_out // (bn // parts)), k_tiles=k_dim // MX_BK)
-
-
-def _tcgen05_mxfp8(plan: Plan) -> Plan:
-    """The MXFP8 form of an sm_100a plan: GEMM 1 / GEMM 2 with e4m3 operands (elem_bytes 1), K tile MX_BK, tile N
-    MX_BN, as many stages as fit the shared memory (tcgen05_mx_smem); the backward's dgrads in the same form (tile
-    N 128: one scale atom of W; dgrad1 (N = I, K = H), dgrad2 (N = H, K = 2I)), its weight gradients BF16 with the
-    sm_100a tiles (they read the bf16 tensors, as the Hopper FP8 path's do)."""
-    a = get_arch(plan.arch)
-    H, I = plan.spec.hidden, plan.spec.ffn
-    gemms = {f"gemm{w}": _mx_gemm(a, getattr(plan, f"gemm{w}"), 2 if w == 1 else 1, MX_BN[w],
-                                  I if w == 1 else H, H if w == 1 else I) for w in (1, 2)}
-    backward = plan.backward
-    if backward is not None:
-        backward = dataclasses.replace(backward, dgrad1=_mx_gemm(a, backward.dgrad1, 1, MX_BN[2], I, H),
-                                       dgrad2=_mx_gemm(a, backward.dgrad2, 1, MX_BN[2], H, 2 * I))
-    note = (f"mxfp8: e4m3 GEMMs with e8m0 scales per 32 along K on the block-scaled tcgen05 MMA, K tile {MX_BK}, "
-            f"tile N {MX_BN[1] // 2} per part (GEMM 1) / {MX_BN[2]} (GEMM 2, dgrad1, dgrad2: W read MN-major by the "
-            f"dgrads); the weight gradients BF16 from the bf16 tensors")
-    return dataclasses.replace(plan, backward=backward, notes=plan.notes + (note,), **gemms)
-
-
-# MXFP8 weight gradients on tcgen05 (plan ``wgrad1_dtype`` / ``wgrad2_dtype`` = "mxfp8", dtype mxfp8 specs; opt-in:
-# nothing of it has run on a GPU, so the default stays the BF16 weight gradients, as Hopper's FP8 weight gradients
-# were opt-in until measured, bench/NOTES.md v16-v17): both operands e4m3 with one e8m0 code per 32 rows of a column
-# (the wgrad's K), 128 x 128 tiles (one SF atom of A's and of B's columns per K step), K step 128 rows (4 scales: a
-# whole atom; the routing tile is a multiple of it, so no 32-row block straddles two groups).
-TCGEN05_WGRAD_DTYPES = ("bf16", "mxfp8")
-MX_WGRAD_BN = 128
-
-
-def _tcgen05_mx_wgrads(plan: Plan, wgrad_dtypes: Mapping[str, Any]) -> Plan:
-    """The ``wgrad*_dtype`` overrides of an sm_100a plan: "bf16" (the default) or "mxfp8" (dtype mxfp8 specs with
-    a backward), each refused in one line otherwise."""
-    a = get_arch(plan.arch)
-    spec = plan.spec
-    for key in WGRAD_DTYPE_KEYS:
-        if key not in wgrad_dtypes:
-            continue
-        value = wgrad_dtypes[key]
-        name = key.removesuffix("_dtype")
-        if value not in TCGEN05_WGRAD_DTYPES:
-            hint = " (blockwise FP8 weight gradients are sm_90a's, dtype fp8)" if value == "fp8" else ""
-            raise PlanError(f"plan.{key}: the {plan.arch} weight gradients are one of "
-                            f"{', '.join(TCGEN05_WGRAD_DTYPES)}, got {value!r}{hint}")
-        if value == "bf16":
-            continue
-        if spec.dtype != "mxfp8":
-            raise PlanError(f"plan.{key}: MXFP8 weight gradients are a choice of dtype mxfp8 specs, this one is "
-                            f"{spec.dtype}")
-        if plan.backward is None:
-            raise PlanError(f"plan.{key}: this plan has no backward kernels")
-        if plan.bm % MX_BK:
-            raise PlanError(f"plan.{key}: MXFP8 weight gradients step K by {MX_BK} rows inside a routing tile, got "
-                            f"routing tiles of {plan.bm} rows")
-        g = getattr(plan.backward, name)
-        m_out, n_out = (2 * spec.ffn, spec.hidden) if name == "wgrad1" else (spec.hidden, spec.ffn)
-        tile = _sm100.Tile(1, MX_WGRAD_BN, MX_BK, 0, *_sm100.WGRAD_EPI, mx=True)
-        w = dataclasses.replace(g, bn=MX_WGRAD_BN, bk=MX_BK, elem_bytes=1,
-                                stages=tile.stages_fit(a.smem_per_cta, most=MX_MAX_STAGES),
-                                n_tiles=-(-n_out // MX_WGRAD_BN))
-        note = (f"overrides: {key}=mxfp8: {name} (M = {m_out}, N = {n_out}) on the block-scaled tcgen05 MMA, e4m3 "
-                f"operands with e8m0 scales per 32 rows (the reduction), 128 x {MX_WGRAD_BN} tiles, K step {MX_BK} "
-                f"rows; never run on a GPU")
-        plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **{name: w}),
-                                   notes=plan.notes + (note,))
-    return plan
-
-
-def _explain_mx_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
-    """The MXFP8 (sm_100a) GEMMs' explain lines: what _tcgen05_mxfp8 fixed, the stage ring with its scale atoms."""
-    n, k = _gemm_shape(spec, which)
-    title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
-    parts = 2 if which == 1 else 1
-    used = tcgen05_mx_smem(parts, g.bn // parts, g.bk, g.stages, g.epi_n, g.epi_stages)
-    waves = c.tiles / arch.sms
-    return [
-        f"{title}: N = {n}, K = {k}, MXFP8 (e4m3, one e8m0 scale per 32 along K, block-scaled tcgen05 MMA)",
-        "  A: " + ("x's rows gathered and quantized by quant_mx_gather" if which == 1 else
-                   "h's used rows quantized by quant_mx_used") + ", read by TMA tiles; their scales by TMA in "
-        "512-byte atoms, tcgen05.cp into tensor memory",
-        f"  bn = {g.bn}" + (f" ({g.bn // 2} gate + {g.bn // 2} up columns)" if which == 1 else "")
-        + f", bk = {g.bk} (fixed: one scale atom of 4 x 32 K elements per stage)",
-        f"  smem: {g.stages} stages (the most that fit) = {used} of {arch.smem_per_cta} B with the epilogue "
-        f"{g.tile_m}x{g.epi_n} x{g.epi_stages} buffers",
-        f"  raster_group = {g.raster_group}; tiles = {_m_tiles(spec, g.bm)} M x {g.n_tiles} N = {c.tiles}; waves = "
-        f"{waves:.2f} -> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
-        "  cost below: the BF16 model's (nothing measured: no Blackwell GPU here)",
-    ]
-
-
-def _explain_tcgen05_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
-    """The BF16 tcgen05 (sm_100a) GEMMs' explain lines: the kernels' form (templates/sm100/grouped_gemm.py.j2),
-    not the sm_90a warpgroup rules; their TMEM and smem figures are the budgets section's (sm100_rules)."""
-    n, k = _gemm_shape(spec, which)
-    title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
-    pair = g.cluster == 2
-    waves = c.tiles / arch.sms
-    m_ctas = _m_tiles(spec, g.bm) * (g.bm // g.tile_m)
-    return [
-        f"{title}: N = {n}, K = {k}, BF16 tcgen05.mma "
-        + (f"cta_group::2 (a CTA pair, cluster 2 along M, on {g.bm}-row tiles; each CTA loads half of every W box)"
-           if pair else f"cta_group::1 (one CTA per {g.tile_m}-row tile)"),
-        "  A: " + ("the rows gathered by the gather kernel, read by TMA tiles" if which == 1 else
-                   "h's rows, read by TMA tiles"),
-        f"  bn = {g.bn}" + (f": {g.bn // 2} gate + {g.bn // 2} up columns, two accumulators per tile" if which == 1
-                            else f": hidden {n} % {g.bn} = {n % g.bn}") + f", bk = {g.bk}",
-        "  accumulators in tensor memory, double-buffered (the epilogue warpgroup drains tile i while the MMA warp "
-        "runs tile i + 1); warps: 4 epilogue, 1 MMA, 1 TMA; tiles handed out by Cluster Launch Control",
-        f"  raster_group = {g.raster_group}; CTA tiles = {m_ctas} M" + (f" ({m_ctas // 2} pairs)" if pair else "")
-        + f" x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} -> {math.ceil(waves)} "
-        f"(wave efficiency {_pct(c.wave_eff)})",
-        "  stages, TMEM and shared memory: the budgets section below; cost below: the sm_90a model's (nothing "
-        "measured on sm_100a)",
-    ]
+def _replan(plan: Plan, g1: GemmPlan, g2: GemmPlan) -> Plan:
+    """`plan` rebuilt around forward GEMMs `g1`, `g2` (cost, capacity, chunk and backward tiles for their routing
+    tile); the notes of its own (not the cost model's) kept after the new plan's."""
+    spec, a = plan.spec, get_arch(plan.arch)
+    c1, c2, _ = _costs(spec, a, plan.gemm1, plan.gemm2)
+    own = tuple(n for n in plan.notes if n not in _auto_notes(spec, a, plan.gemm2, c1, c2))
+    new = _make_plan(spec, a, g1, g2)
+    return dataclasses.replace(new, notes=new.notes + own)
 
 
 def _mxfp8_arch(spec: Spec, arch: str) -> None:
@@ -1253,22 +721,6 @@ def _mxfp8_arch(spec: Spec, arch: str) -> None:
     if spec.dtype == "mxfp8" and not get_arch(arch).has_tcgen05:
         raise PlanError(f"plan.arch: dtype mxfp8 (Blackwell's block-scaled MMA) is planned for sm_100a, got "
                         f"{arch!r}; Hopper's FP8 is dtype fp8")
-
-
-def _settle_streams(plan: Plan, streams: Any) -> Plan:
-    """The backward's streams: the ``bwd_streams`` override (checked), else BackwardPlan's default of one stream
-    (two measured no faster on any shape: bench/NOTES.md v13)."""
-    if streams is None:
-        return plan
-    if plan.backward is None:
-        raise PlanError("plan.bwd_streams: this plan has no backward kernels")
-    if isinstance(streams, bool) or streams not in BWD_STREAMS:
-        raise PlanError(f"plan.bwd_streams: must be one of {', '.join(map(str, BWD_STREAMS))}, got {streams!r}")
-    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, streams=streams),
-                               notes=plan.notes + (f"overrides: bwd_streams={streams}",))
-
-
-WGRAD_DTYPE_KEYS = ("wgrad1_dtype", "wgrad2_dtype")
 
 
 WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
@@ -1829,15 +1281,9 @@ def _z_load_override(g: GemmPlan, mode: Any) -> GemmPlan:
 
 
 # ---- explain -----------------------------------------------------------------------------------------------
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
 def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost) -> list[str]:
-    if spec.dtype == "mxfp8":
-        return _explain_mx_gemm(spec, arch, which, g, c)
-    if arch.has_tcgen05:
-        return _explain_tcgen05_gemm(spec, arch, which, g, c)
+    if (own := _own_rules(arch.name)) is not None:
+        return own.explain_gemm(spec, arch, which, g, c)
     if g.elem_bytes == 1:
         return _explain_fp8_gemm(spec, arch, which, g, c)
     n, k = _gemm_shape(spec, which)
@@ -1949,6 +1395,7 @@ def explain(plan: Plan, top: int = 5) -> str:
     q = spec.routed_rows // spec.local_experts
     n_min = min(plan.gemm1.n_tiles, plan.gemm2.n_tiles)
     ranked = candidates(spec, plan.arch)
+    own = _own_rules(plan.arch)
     lines = [
         f"plan for {spec.name} on {arch.name}: {arch.sms} SMs, {arch.smem_per_cta} B smem per CTA, "
         f"{arch.peak_bf16_tflops:g} TFLOP/s bf16, {arch.hbm_tbps:g} TB/s HBM, L2 {arch.l2_bytes // 2**20} MiB",
@@ -1960,8 +1407,8 @@ def explain(plan: Plan, top: int = 5) -> str:
         + (f", {spec.shared_experts} shared x {spec.tokens}" if spec.shared_experts else "")
         + f" -> {_m_tiles(spec, plan.bm)} M tiles of {plan.bm} (row efficiency {_pct(c1.row_eff)})",
         f"routing tile M = {plan.bm} (each group padded to a multiple of it); GEMM tiles: "
-        + ", ".join(f"GEMM{w} {g.bm if arch.has_tcgen05 and g.cluster == 2 else g.tile_m} rows "
-                    f"({_tile_form(arch, g)})" for w, g in ((1, plan.gemm1), (2, plan.gemm2)))
+        + ", ".join(f"GEMM{w} {own.explain_tile(g) if own else _explain_tile(g)}"
+                    for w, g in ((1, plan.gemm1), (2, plan.gemm2)))
         + (f", tile K = {plan.gemm1.bk}" + (" (FP8: one 128-wide scale block per stage)" if spec.dtype == "fp8"
                                              else "")),
         "",
@@ -1977,8 +1424,7 @@ def explain(plan: Plan, top: int = 5) -> str:
         + ("routing, GEMM 1, GEMM 2, combine as four persistent launches; the default: on the H200 it measured "
            "faster than the fused kernel on all six benchmark shapes, bench/NOTES.md v2)" if plan.schedule == "chain"
            else "routing, then one persistent kernel claiming G1/G2/combine tasks chunk by chunk)")
-        + (f"; CTA pairs (cta_group::2): GEMM 1 {'yes' if plan.gemm1.cluster == 2 else 'no'}, GEMM 2 "
-           f"{'yes' if plan.gemm2.cluster == 2 else 'no'}" if arch.has_tcgen05 else
+        + (own.explain_clusters(plan) if own else
            f"; W-tile clusters: GEMM 1 {plan.gemm1.cluster}, GEMM 2 {plan.gemm2.cluster}"),
         f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
         f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
@@ -1996,20 +1442,17 @@ def explain(plan: Plan, top: int = 5) -> str:
     ]
     if plan.backward is not None:
         lines += ["", *_explain_backward(plan)]
-    if arch.has_tcgen05:
-        lines += ["", *_explain_tcgen05_budgets(plan)]
+    if own:
+        lines += ["", *own.explain_budgets(plan)]
     if plan.notes:
         lines += ["notes:", *(f"  - {n}" for n in plan.notes)]
     return "\n".join(lines)
 
 
-def _tile_form(arch: Arch, g: GemmPlan) -> str:
-    """How a GEMM's CTAs cover its tile: the warpgroups of sm_90a, the tcgen05 CTA (or pair) of sm_100a."""
-    if arch.has_tcgen05:
-        return ("a CTA pair, tcgen05 cta_group::2: 128 rows each" if g.cluster == 2 else
-                "one CTA, tcgen05 cta_group::1")
-    return ("cooperative: 2 consumer warpgroups x 64 rows" if g.consumer == "cooperative" else
-            "pingpong: one warpgroup per tile, two tiles in flight")
+def _explain_tile(g: GemmPlan) -> str:
+    """How a GEMM's CTAs cover its tile: the warpgroups of sm_90a (an arch of its own rules: its explain_tile)."""
+    return f"{g.tile_m} rows (" + ("cooperative: 2 consumer warpgroups x 64 rows" if g.consumer == "cooperative" else
+                                  "pingpong: one warpgroup per tile, two tiles in flight") + ")"
 
 
 _BACKWARD_WHAT = {"dgrad1": "dA' = dO rows . W2, dSwiGLU + router-gradient epilogue -> dz, s a",
@@ -2019,17 +1462,19 @@ _BACKWARD_WHAT = {"dgrad1": "dA' = dO rows . W2, dSwiGLU + router-gradient epilo
 def _explain_backward(plan: Plan) -> list[str]:
     """The training kernels' choices (BackwardPlan): per GEMM its operands, tile, stages and output path."""
     spec, b = plan.spec, plan.backward
+    own = _own_rules(plan.arch)
     lines = [f"backward (training, {b.streams} stream{'s' if b.streams > 1 else ''}"
              + ("; the weight gradients on the second, beside dgrad2 and the combine" if b.streams == 2 else "") + "):"]
     for name in BACKWARD_GEMMS:
         g = getattr(b, name)
         m, n, k = backward_shape(spec, name)
         shape = f"N = {n}, K = {k}" if k is not None else f"M = {m}, N = {n} per group, K = the group's rows"
-        if g.elem_bytes == 1 and spec.dtype == "mxfp8":   # sm_100a's block-scaled tcgen05 MMA
-            form = ("MXFP8 e4m3, e8m0 scales per 32 rows of each column (quant_mx_cols_*), both operands MN-major, "
-                    "block-scaled tcgen05 MMA (wgrad*_dtype=mxfp8)" if name.startswith("wgrad") else
-                    "MXFP8 e4m3, e8m0 scales per 32 along K, block-scaled tcgen05 MMA (W's column copy MN-major)")
-        elif g.elem_bytes == 1 and name.startswith("wgrad"):
+        main_grad = "; with main_grad: an fp32 read-add-write from the accumulators" if name.startswith("wgrad") else ""
+        if own:   # e.g. the tcgen05 kernels: stages, TMEM and smem in the budgets section
+            form, tile = own.explain_backward_gemm(spec, name, g)
+            lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}", tile + main_grad]
+            continue
+        if g.elem_bytes == 1 and name.startswith("wgrad"):
             form = (f"FP8 e4m3, both operands per 128 x 1 tile along the rows (transposed by quant_cols* / "
                     f"quant_both*), each K block promoted per element ({g.promote}"
                     + (", the tile's two 128-column halves in turn: mma_split 2" if g.mma_split == 2 else "") + ")")
@@ -2037,13 +1482,6 @@ def _explain_backward(plan: Plan) -> list[str]:
             form = f"FP8 e4m3 (A per 1x128, W per 128x128), promotion {g.promote}"
         else:
             form = "BF16"
-        if get_arch(plan.arch).has_tcgen05:   # the tcgen05 kernels: stages, TMEM and smem in the budgets section
-            lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}",
-                      f"    tile {g.tile_m} x {g.bn}, K step {g.bk}, raster {g.raster_group}, accumulators in tensor "
-                      f"memory (stages, TMEM and smem: the budgets below)"
-                      + ("; with main_grad: an fp32 read-add-write from the accumulators" if name.startswith("wgrad")
-                         else "")]
-            continue
         out = ("ring (TMA-stored by the storer warp)" if g.epi_store == "ring"
                else f"smem ({g.epi_stages} x {g.epi_n} columns)")
         extra = ""
@@ -2051,23 +1489,5 @@ def _explain_backward(plan: Plan) -> list[str]:
             extra = f"; z {g.z_load} (chunk {g.z_chunk})"
         lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}",
                   f"    tile {g.tile_m} x {g.bn} ({g.consumer}), K step {g.bk}, stages {g.stages} "
-                  f"({g.smem_bytes()} B smem), raster {g.raster_group}, output {out}{extra}"
-                  + ("; with main_grad: an fp32 read-add-write from the accumulators" if name.startswith("wgrad")
-                     else "")]
-    return lines
-
-
-def _explain_tcgen05_budgets(plan: Plan) -> list[str]:
-    """An sm_100a plan's budgets, a line per GEMM kernel: the tile it is rendered with (mokgen.sm100_rules.
-    kernel_tiles), its TMEM columns used of 512 and its shared memory used of the CTA's budget."""
-    limit = get_arch(plan.arch).smem_per_cta
-    tiles = _sm100.kernel_tiles(plan)
-    also = {"gemm1": " + gemm1_train" if plan.backward is not None else "", "wgrad1": " + _acc", "wgrad2": " + _acc"}
-    lines = [f"{plan.arch} budgets (mokgen.sm100_rules, the tiles the kernels are rendered with): TMEM "
-             f"{_sm100.TMEM_COLUMNS} columns per SM, shared memory {limit} B per CTA"]
-    for name, t in tiles.items():
-        rows = f"{_sm100.PAIR_M} (2-CTA: {_sm100.UMMA_M} per CTA)" if t.pair else f"{_sm100.UMMA_M}"
-        cols = f"{t.parts} x {t.bn}" if t.parts > 1 else f"{t.bn}"
-        lines.append(f"  {name + also.get(name, ''):<20} {rows} x {cols}, bk {t.bk}, {t.stages} stages, epilogue "
-                     f"{t.epi_n}x{t.epi_stages}{', MXFP8' if t.mx else ''}: {t.budget_text(limit)}")
+                  f"({g.smem_bytes()} B smem), raster {g.raster_group}, output {out}{extra}{main_grad}"]
     return lines

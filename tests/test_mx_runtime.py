@@ -59,7 +59,7 @@ def test_row_quantizers_write_the_emulated_kernel_bytes():
     """quant_mx_gather (x's rows by row_src, padding rows token 0), quant_mx_used (h) and quant_mx_dz (dz) of the
     reference: the used rows' e4m3 bytes and every code byte they own equal the emulation of the rendered template
     (its e8m0 arithmetic on int32 bits and its offset expression); the bytes of the unused rows are not written."""
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     spec, pl, moe, inp = _case()
     fns = R.reference_kernels(spec, pl.bm, training=True)
@@ -98,7 +98,7 @@ def test_weight_quantizers_write_the_emulated_kernel_bytes(layout):
     """quant_mx_w1 (concat order, codes per (group, part)), quant_mx_w2 and the column forms quant_mx_w1_cols /
     quant_mx_w2_cols of the reference equal the emulated templates byte for byte (tests/test_mxfp8.py: the forward
     quantizer's row map, the column quantizer's formulas)."""
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     spec, pl, moe, inp = _case(gate_up_layout=layout)
     fns = R.reference_kernels(spec, pl.bm, training=True)

@@ -39,7 +39,7 @@ def test_default_is_bf16_and_the_knob_opts_in():
     """BF16 weight gradients stay the default (nothing of the MXFP8 form has run on a GPU); wgrad*_dtype=mxfp8 gives
     the weight gradient e4m3 operands, 128 x 128 tiles, K step 128 (whole scale atoms), stages within the budget;
     the kernel set gains the column quantizers it needs and, with both in MXFP8 and no bias, loses the bf16 gather."""
-    from mokgen.sm100_rules import kernel_tiles
+    from mokgen.sm100.rules import kernel_tiles
 
     spec = _spec()
     default = solve(spec, "sm_100a")
@@ -94,7 +94,7 @@ def test_refusals(spec, arch, overrides, key, message):
 
 def test_emit_refusals():
     from mokgen.emit_base import EmitError
-    from mokgen.emit_sm100 import render_wgrad
+    from mokgen.sm100.emit import render_wgrad
 
     bf16 = solve(load_spec({"name": "b", "hidden": H, "ffn": I, "experts": E, "topk": 2, "tokens": T}), "sm_100a")
     with pytest.raises(EmitError, match=r"^plan\.backward\.wgrad1: the MXFP8 weight gradient .* dtype mxfp8 specs, "
@@ -196,7 +196,7 @@ def test_cols_quantizer_math_equals_quantize_mx(kernel, counts):
     quantize_mx of each group's rows transposed (32-row blocks down the columns from the group's first row; padding
     rows zero) bit for bit, the codes at pack_mx_scales' bytes of the [C, rows / 32] matrix; the reference step
     (mokgen.mx_ops) writes the same bytes and leaves the rows past meta[0] * BM and their codes unwritten."""
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     plan = solve(_spec(), "sm_100a", **BOTH)
     text = render_quant_mx(plan, kernel)

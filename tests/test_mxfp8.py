@@ -152,7 +152,8 @@ MX = {"hidden": 1024, "ffn": 512, "experts": 8, "topk": 2, "tokens": 256, "dtype
 
 def test_plan_mxfp8_on_sm100():
     from mokgen.arch import ARCHS
-    from mokgen.plan import MX_BK, solve, tcgen05_mx_smem
+    from mokgen.plan import solve
+    from mokgen.sm100.plan import MX_BK, tcgen05_mx_smem
     from mokgen.spec import load_spec
 
     plan = solve(load_spec(MX), "sm_100a")
@@ -255,7 +256,7 @@ def test_emit_mxfp8_forward(changes):
 
 def test_bf16_kernels_keep_their_form():
     from mokgen.emit import emit
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
     from mokgen.emit_base import EmitError
     from mokgen.plan import solve
     from mokgen.spec import load_spec
@@ -345,7 +346,7 @@ def boundary_rows(K: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("K,name", [(128, "quant_mx_used"), (512, "quant_mx_used"), (512, "quant_mx_dz")])
 def test_quantizer_math_equals_quantize_mx(K, name):
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     text = render_quant_mx(_mx_plan(), name)
     # quant_mx_dz: the bounded form over dz's 2I columns (dgrad2's A); quant_mx_used over h's I
@@ -377,7 +378,7 @@ def test_w1_quantizer_writes_concat_order(layout):
     """quant_mx_w1's row map (its index lines, run on Python ints) puts W1's row (n, p) at output row p * I + n of
     each group; the emulated quantizer on those rows equals quantize_mx of W1 in concat order, packed per
     (group, part) as GEMM 1's scale view (batch g * 2 + p of I rows) reads it."""
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     plan = _mx_plan(gate_up_layout=layout, hidden=256, ffn=256)
     text = render_quant_mx(plan, "quant_mx_w1")
@@ -443,7 +444,7 @@ def test_cols_quantizer_math_equals_quantize_mx(name, layout):
     """The column form (the dgrads' W copies) emulated with its rendered formulas equals mokgen.fp8.quantize_mx of
     each group's transposed matrix, W[g].mT (its K = W's rows), bit for bit: q in W's layout (q.mT of the
     reference), the codes at pack_mx_scales' bytes of the [C, R / 32] scale matrix, group after group."""
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     plan = _mx_plan(hidden=256, ffn=384, gate_up_layout=layout)
     text = render_quant_mx(plan, name)
@@ -469,7 +470,7 @@ def test_dgrad_operands_give_the_dequantized_product(which):
     scale buffers by the GEMMs' SF views (mx_sf_offset over (rows, K), group g's block of mx_sf_bytes(N, K / 32):
     tile_atom_to_shape_SF, test_offset_is_the_dsl_layout) equals the float64 product of the dequantized operands
     (fp8.gemm_mx_f64 with W[g]'s K along its rows), for every group."""
-    from mokgen.emit_sm100 import render_quant_mx
+    from mokgen.sm100.emit import render_quant_mx
 
     plan = _mx_plan(hidden=256, ffn=128, gate_up_layout="interleaved")
     G, H, I = plan.spec.groups, 256, 128

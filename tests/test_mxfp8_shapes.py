@@ -65,7 +65,8 @@ def test_plan(shape):
     """The MXFP8 plan of each shape: K tile 128, 128 W rows (one scale atom) per part, e4m3 operands, whole K
     tiles; the weight gradients those of the BF16 plan of the same shape."""
     from mokgen.arch import ARCHS
-    from mokgen.plan import MX_BK, solve, tcgen05_mx_smem
+    from mokgen.plan import solve
+    from mokgen.sm100.plan import MX_BK, tcgen05_mx_smem
 
     plan = _plan(shape)
     spec = plan.spec

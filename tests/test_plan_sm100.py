@@ -1,7 +1,7 @@
-"""The plan's sm_100a rules (mokgen/sm100_rules.py, issue 20): every preset planned for sm_100a (BF16, and MXFP8
-where the spec admits it) keeps every GEMM kernel within the 512 TMEM columns and the CTA's shared memory with
-tiles that divide their problem; overrides that break a budget are refused by ``solve`` in one line naming the
-knob and the budget; the plan's accounting is the one emit_sm100 renders and asserts (the numbers the emitted
+"""The plan's sm_100a rules (mokgen/sm100/plan.py and rules.py, issue 20): every preset planned for sm_100a (BF16, and
+MXFP8 where the spec admits it) keeps every GEMM kernel within the 512 TMEM columns and the CTA's shared memory with
+tiles that divide their problem; overrides that break a budget are refused by ``solve`` in one line naming the knob
+and the budget; the plan's accounting is the one mokgen/sm100/emit.py renders and asserts (the numbers the emitted
 sources declare). CPU only, fast: nothing is compiled."""
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from mokgen import configs, sm100_rules as R
+from mokgen import configs
+from mokgen.sm100 import rules as R
 from mokgen.arch import ARCHS
 from mokgen.emit import EmitError, emit
-from mokgen.emit_sm100 import grouped_params, wgrad_params
-from mokgen.plan import MX_BK, PlanError, _tcgen05_budgets, explain, solve
+from mokgen.sm100.emit import grouped_params, wgrad_params
+from mokgen.plan import PlanError, explain, solve
+from mokgen.sm100.plan import MX_BK, check_budgets
 from mokgen.spec import SpecError, list_presets, load_spec
 
 ARCH = "sm_100a"
@@ -124,12 +126,12 @@ def test_bad_overrides_are_refused_in_one_line(name):
 
 def test_tmem_overflow_is_refused_by_plan_and_emit_alike():
     """No override reaches past the 512 TMEM columns (tile N is at most 256: GEMM 1's 2 parts x 2 buffers x 128
-    = 512, the 2-CTA form the same per CTA), so a plan made by hand checks it: _tcgen05_budgets (what solve runs)
+    = 512, the 2-CTA form the same per CTA), so a plan made by hand checks it: check_budgets (what solve runs)
     and emit's assertion give the same reason; the rule counts MXFP8's scale columns."""
     plan = solve(load_spec("kimi-k2"), ARCH)
     forged = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bn=384, stages=2))
     with pytest.raises(PlanError) as p:
-        _tcgen05_budgets(forged, {})
+        check_budgets(forged, {})
     with pytest.raises(EmitError) as e:
         grouped_params(forged, 1)
     why = "TMEM: 2 x 2 accumulators of 192 columns = 768 columns exceed the budget of 512 columns per SM"
@@ -151,7 +153,7 @@ def test_emit_asserts_what_the_plan_checks():
     fit = R.kernel_tiles(plan)["gemm2"].stages_fit(LIMIT)
     forged = dataclasses.replace(plan, gemm2=dataclasses.replace(plan.gemm2, stages=fit + 1))
     with pytest.raises(PlanError) as p:
-        _tcgen05_budgets(forged, {"gemm2_stages": fit + 1})
+        check_budgets(forged, {"gemm2_stages": fit + 1})
     with pytest.raises(EmitError) as e:
         emit(forged)
     why = str(e.value).removeprefix("plan.gemm2.stages: ")
@@ -208,7 +210,7 @@ def test_plan_accounting_is_what_emit_renders(name, dtype, overrides):
 
 def test_explain_shows_the_budgets():
     """`mokgen plan --explain` for sm_100a: a line per GEMM kernel with its TMEM columns of 512 and its shared memory
-    of the budget (the figures of mokgen.sm100_rules); sm_90a plans have no such section."""
+    of the budget (the figures of mokgen.sm100.rules); sm_90a plans have no such section."""
     for spec, ov in ((load_spec("kimi-k2"), {}), (load_spec("kimi-k2"), {"cluster": 2}),
                      (load_spec(ROOT / "tools" / "specs" / "kimi-k2-mxfp8.yaml"), {})):
         plan = solve(spec, ARCH, **ov)

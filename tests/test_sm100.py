@@ -1,4 +1,4 @@
-"""Blackwell (sm_100a) kernels (templates/sm100/grouped_gemm.py.j2 and wgrad.py.j2, mokgen/emit_sm100.py): rendered
+"""Blackwell (sm_100a) kernels (templates/sm100/grouped_gemm.py.j2 and wgrad.py.j2, mokgen/sm100/emit.py): rendered
 from a plan solved for sm_100a, built offline with mokgen's build machinery, its PTX carrying the tcgen05 / TMA / mbarrier
 instructions of the design; and the kernel's tile math against a Python model. CPU only: nothing here runs the
 kernel (no Blackwell GPU yet)."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mokgen.emit import EmitError
-from mokgen.emit_sm100 import grouped_params, render_grouped_gemm, render_wgrad, tile_walk, wgrad_params
+from mokgen.sm100.emit import grouped_params, render_grouped_gemm, render_wgrad, tile_walk, wgrad_params
 from mokgen.plan import solve
 from mokgen.spec import load_spec
 from test_sass import needs_sass

@@ -1,6 +1,6 @@
 """Blackwell (sm_100a) kernel sources, rendered from ``templates/sm100/`` (issue 20; CPU compile-verified only).
 
-:func:`emit_sm100` is what :func:`mokgen.emit.emit` returns for a plan solved for sm_100a: the forward (routing,
+:func:`emit` is what :func:`mokgen.emit.emit` returns for a plan solved for sm_100a: the forward (routing,
 gather, GEMM 1, GEMM 2, combine) and, for a training plan, the backward (GEMM 1 saving z, the two dgrads, the four
 weight-gradient kernels). The GEMMs come from ``templates/sm100/grouped_gemm.py.j2`` (tcgen05.mma, accumulators in
 tensor memory, TMA loads; the dgrads read W N-major, dgrad1 with the dSwiGLU + router-gradient epilogue) and
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import kernels
-from .emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
-from .plan import Plan
-from .sm100_rules import ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
+from .. import kernels
+from ..emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
+from ..plan_types import Plan
+from .rules import ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
-# UMMA_M, PAIR_M, ACC_STAGES, TMEM_COLUMNS, BARRIER_BYTES and the tile budgets: mokgen/sm100_rules.py (the plan's
+# UMMA_M, PAIR_M, ACC_STAGES, TMEM_COLUMNS, BARRIER_BYTES and the tile budgets: mokgen/sm100/rules.py (the plan's
 # sm_100a rules; the checks below assert the same)
 BACKWARD = ("dgrad1", "dgrad2")   # the backward GEMMs rendered so far (their tile: GEMM 2's, or the bn given)
 # The GEMMs' persistent tile walk: Cluster Launch Control (one CTA per tile; a CTA takes over the tiles of CTAs it
@@ -175,7 +175,7 @@ def tile_walk(num_m: int, n_tiles: int, raster: int) -> list[tuple[int, int]]:
 
 
 def _check_tile(plan: Plan, what: str, tile: Tile) -> None:
-    """The tcgen05 GEMMs' tile rules and budgets (mokgen.sm100_rules.Tile.problems: the UMMA N, the TMEM columns of
+    """The tcgen05 GEMMs' tile rules and budgets (mokgen.sm100.rules.Tile.problems: the UMMA N, the TMEM columns of
     the accumulators (and MXFP8 scales), the stage ring and epilogue buffers in shared memory, the 2-CTA form's W
     half boxes): the plan checks the same (mokgen.plan solves no sm_100a plan that breaks them), so this fails
     only for a tile given here or a plan built by hand."""
@@ -188,18 +188,18 @@ def _check_tile(plan: Plan, what: str, tile: Tile) -> None:
 def fit_stages(plan: Plan, bn: int, bk: int, epi_n: int, epi_stages: int, parts: int = 1,
                most: int | None = None) -> int:
     """The most stages of the sm_100a GEMMs' bf16 ring (`parts` W boxes of `bn` rows, `bk` deep) that fit the shared
-    memory beside the epilogue buffers and barriers, capped at `most` (mokgen.sm100_rules.Tile.stages_fit)."""
+    memory beside the epilogue buffers and barriers, capped at `most` (mokgen.sm100.rules.Tile.stages_fit)."""
     return Tile(parts, bn, bk, 0, epi_n, epi_stages).stages_fit(smem_limit(plan), most)
 
 
-def emit_sm100(plan: Plan) -> Sources:
+def emit(plan: Plan) -> Sources:
     """The sm_100a sources of `plan`: routing, gather (GEMM 1 reads the gathered rows by TMA tiles; the backward
     gathers dO's and x's rows with it), gemm1, gemm2 (templates/sm100/grouped_gemm.py.j2), combine (the shared
     SIMT templates) and, where the plan has a backward, gemm1_train, dgrad1, dgrad2 (grouped_gemm.py.j2) and the
     weight gradients wgrad1 / wgrad2 and their fp32 main_grad forms (wgrad.py.j2), each with its backward tile
     from the plan (stages: as many as fit)."""
     if plan.arch != "sm_100a":
-        raise EmitError(f"plan.arch: emit_sm100 renders sm_100a kernels, got {plan.arch!r}")
+        raise EmitError(f"plan.arch: mokgen.sm100.emit renders sm_100a kernels, got {plan.arch!r}")
     spec = plan.spec
     if spec.dtype not in ("bf16", "mxfp8"):
         raise EmitError(f"spec.dtype: the sm_100a kernels are BF16 and MXFP8, got {spec.dtype!r}")
@@ -228,7 +228,7 @@ def emit_sm100(plan: Plan) -> Sources:
                                 f"{g.z_load!r}, {g.epi_store!r}; mokgen.plan.solve(spec, 'sm_100a') gives that form)")
         render.files["gemm1_train.py"] = render_grouped_gemm(plan, 1, save_z=True)
         g2 = plan.gemm2
-        tiles = kernel_tiles(plan)   # the tiles the plan checked (mokgen.sm100_rules)
+        tiles = kernel_tiles(plan)   # the tiles the plan checked (mokgen.sm100.rules)
         for name in BACKWARD:
             d, t = getattr(bw, name), tiles[name]
             if mx and d.bk != g2.bk:

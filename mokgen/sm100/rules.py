@@ -1,9 +1,9 @@
 """sm_100a (Blackwell) tile rules: the tensor-memory and shared-memory budgets of the tcgen05 GEMM kernels
 (``templates/sm100/grouped_gemm.py.j2``, ``wgrad.py.j2``), in one place (issue 20: the plan's sm_100a rules).
 
-:mod:`mokgen.plan` checks every GEMM of an sm_100a plan against them (``solve(spec, "sm_100a", ...)`` raises a
+:mod:`mokgen.sm100.plan` checks every GEMM of an sm_100a plan against them (``solve(spec, "sm_100a", ...)`` raises a
 one-line :class:`~mokgen.plan.PlanError` naming the override and the budget it breaks) and ``mokgen plan --explain``
-prints their figures; :mod:`mokgen.emit_sm100` renders each kernel with the tile :func:`kernel_tiles` derives and
+prints their figures; :mod:`mokgen.sm100.emit` renders each kernel with the tile :func:`kernel_tiles` derives and
 asserts the same rules (``EmitError``) before rendering. The accounting follows the templates:
 
 * TMEM (512 fp32 columns per SM): ``ACC_STAGES x PARTS`` accumulators of BN columns (the epilogue of tile i
@@ -16,14 +16,14 @@ asserts the same rules (``EmitError``) before rendering. The accounting follows 
   atoms, W's rows rounded up to 128), the bf16 epilogue buffers (128 x EPI_N x EPI_STAGES), the barriers (1024 B;
   MXFP8 also 1024 B of alignment per buffer).
 
-Light on purpose: no sympy, no torch, no import of the plan (which imports this module).
+Light on purpose: no sympy, no torch, no import of the plan (mokgen.sm100.plan imports this module).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from .arch import ARCHS
+from ..arch import ARCHS
 
 __all__ = ["Tile", "kernel_tiles", "TMEM_COLUMNS", "UMMA_M", "PAIR_M", "ACC_STAGES", "BARRIER_BYTES",
            "MIN_STAGES", "WGRAD_EPI", "mx_smem"]
@@ -170,7 +170,7 @@ def smem_limit(plan: Any) -> int:
 
 
 def kernel_tiles(plan: Any) -> dict[str, Tile]:
-    """The tile each sm_100a GEMM kernel of `plan` is rendered with (mokgen.emit_sm100 renders these): ``gemm1``
+    """The tile each sm_100a GEMM kernel of `plan` is rendered with (mokgen.sm100.emit renders these): ``gemm1``
     (also ``gemm1_train``) and ``gemm2`` from the plan's forward GEMMs (GEMM 1's bn counts gate + up: bn / 2 per
     part); with a backward, ``dgrad1`` / ``dgrad2`` (the plan's tile N on GEMM 2's K step and epilogue; BF16: as
     many stages as fit, at most the plan's; MXFP8: the plan's) and ``wgrad1`` / ``wgrad2`` (also their ``_acc``
