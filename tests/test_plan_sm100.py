@@ -184,6 +184,8 @@ def _agreement_cases():
     yield "kimi-k2", "bf16", {"cluster": 2}
     yield "kimi-k2", "bf16", {"cluster": 2, "gemm2_stages": 6}   # the pair's ring: 6 fit, 4 for a 1-CTA tile
     yield "gpt-oss-120b", "bf16", {"gemm2_cluster": 2}
+    yield "kimi-k2", "bf16", {"dgrad1_cluster": 2, "dgrad2_cluster": 2}   # the dgrads' 2-CTA form (W N-major)
+    yield "qwen3-30b-a3b", "bf16", {"cluster": 2, "dgrad1_cluster": 2}
     yield "qwen3-30b-a3b", "bf16", {"epi_n": 64, "epi_stages": 4}
 
 
@@ -220,3 +222,22 @@ def test_explain_shows_the_budgets():
             line = next(ln for ln in section if ln.startswith(f"  {kname} "))
             assert f"TMEM {t.tmem_columns} / 512 columns" in line and f"smem {t.smem_bytes} / {LIMIT} B" in line
     assert "sm_100a budgets" in text and "sm_100a budgets" not in explain(solve(load_spec("kimi-k2"), "sm_90a"))
+
+
+def test_dgrad_pair_plan_explains_and_checks():
+    """``dgrad1_cluster`` / ``dgrad2_cluster`` = 2 on sm_100a (BF16): 256-row routing tiles, that dgrad's tile in the
+    2-CTA form in the budgets (half of each W box per CTA: more stages would fit; the plan's ring kept), the
+    explanation saying the dgrad runs as a CTA pair; a forward cluster=2 keeps the dgrads 1-CTA; the default plan
+    has none of it."""
+    spec = load_spec("kimi-k2")
+    assert all(not R.kernel_tiles(solve(spec, ARCH, cluster=2))[n].pair for n in ("dgrad1", "dgrad2"))
+    plan = solve(spec, ARCH, dgrad1_cluster=2)
+    tiles = R.kernel_tiles(plan)
+    assert plan.bm == 256 and tiles["dgrad1"].pair and not tiles["dgrad2"].pair and configs.check_plan(plan) == []
+    assert not tiles["gemm1"].pair and not tiles["gemm2"].pair
+    text = explain(plan)
+    assert "dgrad1 yes, dgrad2 no" in text and "a CTA pair (dgrad1_cluster=2" in text
+    assert any(ln.startswith("  dgrad1 ") and "2-CTA" in ln for ln in text.split("sm_100a budgets", 1)[1].splitlines())
+    assert "overrides: dgrad1_cluster=2: dgrad1 in the 2-CTA form" in text
+    default = explain(solve(spec, ARCH))
+    assert "dgrad1 yes" not in default and "dgrad1 no" not in default and "dgrad1_cluster" not in default

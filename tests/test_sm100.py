@@ -717,3 +717,74 @@ def test_pair_gemms_compile_for_sm100a(name, tmp_path):
         # A (2d) and W (3d GEMM 2 / 4d GEMM 1) loads are the 2-SM form; no 1-CTA TMA load left
         assert f"cp.async.bulk.tensor.{4 if parts == 2 else 3}d.shared::cluster.global.tile.mbarrier" in ptx
         assert "cp.async.bulk.tensor.2d.shared::cta.global" not in ptx, table
+
+
+# ---- the dgrads' 2-CTA form (plan dgrad1_cluster / dgrad2_cluster = 2: W read N-major, a CTA pair) -------------
+def test_sm100a_dgrad_pair_plan_and_render():
+    """`dgrad1_cluster=2` / `dgrad2_cluster=2` render that dgrad in the 2-CTA form (256-row routing tiles, W N-major:
+    B MN-major, half of each W box per CTA), the other GEMMs as planned; a forward cluster=2 leaves the dgrads
+    1-CTA (each pair form is its own opt-in). The dSwiGLU epilogue's rows are the CTA's slice of the pair's tile."""
+    from mokgen.emit import emit
+
+    spec = load_spec("kimi-k2")
+    for ov, pairs in (({"dgrad1_cluster": 2}, (True, False)), ({"dgrad2_cluster": 2}, (False, True)),
+                      ({"dgrad1_cluster": 2, "dgrad2_cluster": 2, "cluster": 2}, (True, True)),
+                      ({"cluster": 2}, (False, False))):
+        plan = solve(spec, "sm_100a", **ov)
+        assert plan.bm == 256 and (plan.backward.dgrad1.cluster, plan.backward.dgrad2.cluster) == (
+            1 + pairs[0], 1 + pairs[1]), ov
+        files = emit(plan).files
+        for name, pair in zip(("dgrad1", "dgrad2"), pairs):
+            params = grouped_params(plan, name)
+            assert params["pair"] == pair and params["b_mn"] and params["group_m"] == 256, (ov, name)
+            src = files[f"{name}.py"]
+            assert ("CTA_GROUP = 2" in src) == pair and ("tcgen05.CtaGroup.TWO" in src) == pair, (ov, name)
+            if pair:
+                compile(src, f"{name}.py", "exec")
+                for want in ("W_ROWS = BN // CTA_GROUP", "B_MN = True", "tcgen05.OperandMajorMode.MN",
+                             "TX_BYTES = CTA_GROUP * (BM * BK + PARTS * W_ROWS * BK) * 2", "is_two_cta=True",
+                             "cluster=(CTA_GROUP, 1, 1)", f"--set\n{name}_cluster=2"):
+                    assert want in src, (ov, name, want)
+                if name == "dgrad1":   # this CTA's rows of the pair's tile: z / dz / ds at m * MMA_M + its row
+                    assert "row = m * MMA_M + tTR_cC[0][0]" in src
+    assert "CTA_GROUP" not in emit(solve(spec, "sm_100a")).files["dgrad1.py"]
+
+
+def test_sm100a_dgrad_pair_refusals():
+    """The dgrads' cluster is 1 or 2, BF16 only; the other backward knobs stay refused; all in one line."""
+    from mokgen.plan import PlanError
+
+    for spec, ov, msg in (("kimi-k2", {"dgrad1_cluster": 3}, "dgrads run cluster 1 (1-CTA tiles) or 2"),
+                          ("kimi-k2", {"dgrad2_cluster": True}, "dgrads run cluster 1 (1-CTA tiles) or 2"),
+                          ("kimi-k2", {"dgrad1_bn": 128}, "take the default tiles only so far"),
+                          ("tools/specs/kimi-k2-mxfp8.yaml", {"dgrad2_cluster": 2}, "BF16 only so far")):
+        key = next(iter(ov))
+        with pytest.raises(PlanError) as e:
+            solve(load_spec(spec), "sm_100a", **ov)
+        assert str(e.value).startswith(f"plan.{key}: ") and msg in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kimi-k2", SMALL])
+def test_pair_dgrads_compile_for_sm100a(name, tmp_path):
+    """dgrad1 and dgrad2 of a dgrad*_cluster=2 plan built for sm_100a: the PTX has the pair's instructions (as the
+    forward pair's: cta_group::2 MMA, TMEM, multicast commits, 2-SM TMA loads, cluster barrier, CLC by clusters)
+    and no 1-CTA MMA; W (3d) and A (2d) loads both in the 2-SM form."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = solve(load_spec(name), "sm_100a", dgrad1_cluster=2, dgrad2_cluster=2)
+    srcs = {f"{d}.py": render_grouped_gemm(plan, d) for d in ("dgrad1", "dgrad2")}
+    art = build.build(srcs, "sm_100a", tmp_path, progress=False)
+    report = build.ptx_report(art)
+    for table in ("dgrad1", "dgrad2"):
+        r = report[table]
+        assert r["target"] and r["tcgen05"] and r["cp.async.bulk.tensor"] and r["clusterlaunchcontrol"], (table, r)
+        ptx = (Path(art.dir) / f"{table}.ptx").read_text()
+        missing = [s for s in PAIR_PTX if s not in ptx]
+        assert not missing, (table, missing)
+        assert "tcgen05.mma.cta_group::1" not in ptx and "tcgen05.alloc.cta_group::1" not in ptx, table
+        assert ptx.count("clusterlaunchcontrol.try_cancel") == 1, table
+        assert ptx.count("tcgen05.mma.cta_group::2") >= plan.gemm2.bk // 16, table
+        assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier" in ptx, table
+        assert "cp.async.bulk.tensor.2d.shared::cta.global" not in ptx, table

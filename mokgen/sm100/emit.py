@@ -35,7 +35,8 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     """The render context of templates/sm100/grouped_gemm.py.j2 for forward GEMM `which` of `plan` (or, with
     ``which="dgrad2"``, the backward's dgrad2: dz [rows, 2I] . W1[g] with W1 read N-major, plain store; with
     ``which="dgrad1"``, dgrad1: dO rows . W2[g] with W2 read N-major, the dSwiGLU + router-gradient epilogue; their
-    tile is GEMM 2's unless `bn` / `stages` are given, since an sm_100a plan has no backward section yet).
+    tile is GEMM 2's unless `bn` / `stages` are given (emit passes the plan's backward tiles); each in the 2-CTA
+    form where the plan's dgrad has cluster 2 (``dgrad1_cluster`` / ``dgrad2_cluster``, BF16).
 
     which=2: h . W2 with the routing weight (and the bias when the spec has one); `bn` is the tile N.
     which=1: xg . W1 (gate and up parts, two TMEM accumulators per tile) with the SwiGLU epilogue (bias per W1 row
@@ -47,8 +48,13 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     if which not in (1, 2, "dgrad1", "dgrad2"):
         raise EmitError(f"render_grouped_gemm: which is 1 or 2 (the forward GEMMs), 'dgrad1' or 'dgrad2', got "
                         f"which={which}")
-    # the 2-CTA form (a forward GEMM planned with cluster 2): a CTA pair computes a PAIR_M x bn tile
-    pair = which in (1, 2) and (plan.gemm1 if which == 1 else plan.gemm2).cluster == 2
+    # the 2-CTA form (a forward GEMM planned with cluster 2, a dgrad with dgrad*_cluster 2): a CTA pair computes a
+    # PAIR_M x bn tile, each CTA loading half of every W box (for the dgrads' N-major W: half the tile's N columns;
+    # cute's 2-CTA TMA partition of B splits N whatever W's major mode) and draining its own 128 rows
+    if which in (1, 2):
+        pair = (plan.gemm1 if which == 1 else plan.gemm2).cluster == 2
+    else:
+        pair = plan.backward is not None and getattr(plan.backward, which).cluster == 2
     if save_z and which != 1:
         raise EmitError("render_grouped_gemm: save_z is GEMM 1's (which=1)")
     if plan.arch != "sm_100a":
@@ -144,7 +150,7 @@ def render_grouped_gemm(plan: Plan, which: int = 2, *, bn: int | None = None, st
     """The sm_100a kernel source of forward GEMM `which` for `plan` (a standalone CuTe DSL module defining
     ``KERNEL_NAME`` and ``compile(arch)``, as every emitted kernel; docs/contract.md); which=1 with `save_z`:
     GEMM 1 for training (``gemm1_train``); which="dgrad1" / "dgrad2": the backward's dgrads (compiled and checked
-    in CI; not yet part of an sm_100a plan)."""
+    in CI; the 2-CTA form where the plan's dgrad has cluster 2; never run on a GPU)."""
     params = grouped_params(plan, which, bn=bn, stages=stages, save_z=save_z)
     name = name or ("gemm1_train" if save_z else which if which in BACKWARD else f"gemm{which}")
     spec = plan.spec
@@ -222,9 +228,11 @@ def emit(plan: Plan) -> Sources:
     if bw is not None:
         for name in BACKWARD + WGRADS:
             g = getattr(bw, name)
-            if (g.consumer, g.cluster, g.z_load, g.epi_store) != ("cooperative", 1, "direct", "smem"):
+            cluster = 1 if g.cluster == 2 and name in BACKWARD and not mx else g.cluster   # the dgrads' pair form
+            if (g.consumer, cluster, g.z_load, g.epi_store) != ("cooperative", 1, "direct", "smem"):
                 raise EmitError(f"plan.backward.{name}: the sm_100a backward GEMMs take cooperative 128-row tiles, "
-                                f"cluster 1, z_load 'direct', epi_store 'smem' (got {g.consumer}, {g.cluster}, "
+                                f"cluster 1 (BF16 dgrads: 1 or 2), z_load 'direct', epi_store 'smem' (got "
+                                f"{g.consumer}, {g.cluster}, "
                                 f"{g.z_load!r}, {g.epi_store!r}; mokgen.plan.solve(spec, 'sm_100a') gives that form)")
         render.files["gemm1_train.py"] = render_grouped_gemm(plan, 1, save_z=True)
         g2 = plan.gemm2

@@ -12,15 +12,19 @@ GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per 128-row UMMA tile (co
 schedule; their tile N and default stages are solved here with the sm_90a rules and cost model (a bf16 1-CTA ring
 costs the same bytes per stage on both archs). The backward's tiles (N, K step) come from the same rules; its
 sm_90a-only knobs (dgrad1's z through the ring, the ring epilogue) are settled off, and its knobs are not
-overridable yet (issue 20). Every kernel's tile is then checked against the sm_100a budgets, the 512 TMEM columns
+overridable yet (issue 20) but for the dgrads' 2-CTA form (``dgrad*_cluster``, below). Every kernel's tile is then checked against the sm_100a budgets, the 512 TMEM columns
 and the CTA's shared memory, by mokgen/sm100/rules.py (check_budgets; sm100/emit.py renders those tiles and asserts
 the same rules): an override that breaks one is a PlanError here, the forward GEMMs' ``gemm*_stages`` bounded by the
 sm_100a ring (the 2-CTA form's CTA holds half of each W box, so more stages fit). Opt-in, BF16: cluster 2
 (``cluster`` for both forward GEMMs, ``gemm1_cluster`` / ``gemm2_cluster`` for one) plans the 2-CTA form, a CTA pair
 (cluster of 2 along M) computing a 256-row tile with tcgen05.mma cta_group::2; a pair's rows must belong to one
 group, so the routing tile (plan.bm) becomes TCGEN05_PAIR_BM and every kernel of the entry (routing, gather,
-combine, the backward's 1-CTA GEMMs and weight gradients) follows it. The default stays 1-CTA: nothing of the 2-CTA
-form has run on a GPU.
+combine, the backward's GEMMs and weight gradients) follows it. The dgrads take the same form on their own opt-in
+(``dgrad1_cluster`` / ``dgrad2_cluster`` = 2, BF16; the other backward knobs stay the defaults): a CTA pair on a
+256-row tile with W read N-major, each CTA's epilogue (dgrad1's dSwiGLU and router-gradient partials) on its own
+128 rows; it too sets 256-row routing tiles. A forward ``cluster=2`` does not pair the dgrads: each pair form is
+its own opt-in (none has run on a GPU, so none is implied by another). The default stays 1-CTA: nothing of the
+2-CTA form has run on a GPU.
 """
 from __future__ import annotations
 
@@ -61,6 +65,28 @@ def _clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[int, 
     return out
 
 
+DGRAD_CLUSTER_KEYS = ("dgrad1_cluster", "dgrad2_cluster")
+
+
+def _dgrad_clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[str, int]:
+    """The dgrads' cluster on a tcgen05 arch ({"dgrad1": c, "dgrad2": c}): 1 (1-CTA tiles) unless
+    ``dgrad1_cluster`` / ``dgrad2_cluster`` is 2 (the 2-CTA form; BF16 training plans only so far), each refused in
+    one line. Opt-in per dgrad: a forward ``cluster=2`` leaves the dgrads 1-CTA (they are separate kernels with their
+    own W reads; nothing of either pair form has run on a GPU, so neither is implied by the other)."""
+    out = {}
+    for key in DGRAD_CLUSTER_KEYS:
+        name = key.removesuffix("_cluster")
+        value = overrides.get(key, 1)
+        if isinstance(value, bool) or value not in TCGEN05_CLUSTERS:
+            raise PlanError(f"plan.{key}: the {arch} dgrads run cluster 1 (1-CTA tiles) or 2 (a CTA pair on a "
+                            f"{TCGEN05_PAIR_BM}-row tile, tcgen05 cta_group 2), got {value!r}")
+        if value == 2 and spec.dtype != "bf16":
+            raise PlanError(f"plan.{key}: the {arch} 2-CTA form (cluster 2) is BF16 only so far; dtype "
+                            f"{spec.dtype} runs {name} in 1-CTA tiles")
+        out[name] = value
+    return out
+
+
 def solve(spec: Spec, arch: str, overrides: Mapping[str, Any], shared: SharedSolver) -> Plan:
     """The plan of an arch whose GEMMs are mokgen/sm100/emit.py's tcgen05 kernels (arch.py: has_tcgen05; sm_100a):
     the forward in their form and the backward with the default tiles; ``wgrad*_dtype`` (mxfp8 specs): a weight
@@ -73,7 +99,7 @@ def solve(spec: Spec, arch: str, overrides: Mapping[str, Any], shared: SharedSol
         if key in TCGEN05_ONLY and value != TCGEN05_ONLY[key]:
             raise PlanError(f"plan.{key}: the {arch} kernels run {key} {TCGEN05_ONLY[key]!r} only so far, "
                             f"got {value!r}")
-        if key.startswith(("dgrad", "wgrad")):
+        if key.startswith(("dgrad", "wgrad")) and key not in DGRAD_CLUSTER_KEYS:
             raise PlanError(f"plan.{key}: the {arch} backward GEMMs take the default tiles only so far")
         if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint") or key.endswith("z_store"):
             raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
@@ -81,6 +107,7 @@ def solve(spec: Spec, arch: str, overrides: Mapping[str, Any], shared: SharedSol
         raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "
                         f"recipe, sm_90a); on {arch} the FP8 format is dtype mxfp8 (e8m0 scales per 32 elements)")
     clusters = _clusters(spec, arch, overrides)
+    dclusters = _dgrad_clusters(spec, arch, overrides)
     # the forward GEMMs' stages: checked against the sm_100a budgets below (check_budgets), not the sm_90a rules
     stage_overrides = {k: overrides[k] for k in ("gemm1_stages", "gemm2_stages") if k in overrides}
     if spec.dtype == "mxfp8":
@@ -90,7 +117,7 @@ def solve(spec: Spec, arch: str, overrides: Mapping[str, Any], shared: SharedSol
                                 f"{MX_BN[1]}, GEMM 2 128 x {MX_BN[2]}, K tile {MX_BK}, as many stages as fit)")
     rest = {k: v for k, v in overrides.items()
             if k not in ("schedule", "consumer", "bwd_streams", "cluster", "gemm1_cluster", "gemm2_cluster")
-            and k not in stage_overrides}
+            and k not in DGRAD_CLUSTER_KEYS and k not in stage_overrides}
     plan = shared.solve(spec, arch, schedule="chain", consumer="cooperative", **rest)
     g1 = dataclasses.replace(plan.gemm1, a_load="tma", cluster=1)
     g2 = dataclasses.replace(plan.gemm2, cluster=1)
@@ -103,19 +130,22 @@ def solve(spec: Spec, arch: str, overrides: Mapping[str, Any], shared: SharedSol
         else:
             g2 = dataclasses.replace(g2, stages=stages)
     pair_notes: tuple[str, ...] = ()
-    if 2 in clusters.values():   # the 2-CTA form: the plan rebuilt on 256-row routing tiles
-        g1 = dataclasses.replace(g1, bm=TCGEN05_PAIR_BM, cluster=clusters[1])
+    if 2 in clusters.values() or 2 in dclusters.values():   # the 2-CTA form: the plan rebuilt on 256-row routing
+        g1 = dataclasses.replace(g1, bm=TCGEN05_PAIR_BM, cluster=clusters[1])   # tiles
         g2 = dataclasses.replace(g2, bm=TCGEN05_PAIR_BM, cluster=clusters[2])
         plan = shared.replan(plan, g1, g2)
-        paired = [f"GEMM {w}" for w in (1, 2) if clusters[w] == 2]
+        paired = [f"GEMM {w}" for w in (1, 2) if clusters[w] == 2] + [n for n, c in dclusters.items() if c == 2]
         pair_notes = (f"overrides: {', '.join(f'{k}={overrides[k]}' for k in sorted(overrides) if k.endswith('cluster'))}"
                       f": {' and '.join(paired)} in the 2-CTA form (a CTA pair on a {TCGEN05_PAIR_BM}-row tile, "
                       f"tcgen05.mma cta_group 2), routing tiles of {TCGEN05_PAIR_BM} rows; never run on a GPU",)
     backward = plan.backward
+    for key in DGRAD_CLUSTER_KEYS:
+        if backward is None and dclusters[key.removesuffix("_cluster")] == 2:
+            raise PlanError(f"plan.{key}: this plan has no backward kernels")
     if backward is not None:   # the tcgen05 dgrads read z and write dz from registers and store through smem
         backward = dataclasses.replace(backward, **{
-            n: dataclasses.replace(getattr(backward, n), consumer="cooperative", cluster=1, z_load="direct",
-                                   epi_store="smem")
+            n: dataclasses.replace(getattr(backward, n), consumer="cooperative", cluster=dclusters.get(n, 1),
+                                   z_load="direct", epi_store="smem")
             for n in BACKWARD_GEMMS})
     notes = tuple(n for n in plan.notes if not n.startswith("overrides: consumer=cooperative")
                   and not n.startswith("overrides: schedule=chain"))
@@ -156,7 +186,7 @@ def check_budgets(plan: Plan, overrides: Mapping[str, Any]) -> None:
         field, why = problems[0]
         keys = [k.format(k=name) for k in _TCGEN05_KNOBS.get(field, ())]
         if name.startswith("dgrad"):   # GEMM 2's K step and epilogue
-            keys = [k for k in keys if k in ("epi_stages", "epi_n")]
+            keys = [k for k in keys if k in ("epi_stages", "epi_n", f"{name}_cluster")]
         key = next((k for k in keys if k in overrides), None)
         where = key or (name if name.startswith("gemm") else f"backward.{name}")
         raise PlanError(f"plan.{where}: {_TCGEN05_TITLES[name]} on {plan.arch}: {why}")
@@ -334,9 +364,15 @@ def explain_tile(g: GemmPlan) -> str:
 
 
 def explain_clusters(plan: Plan) -> str:
-    """The schedule line's clusters: which forward GEMMs run in the 2-CTA form."""
-    return (f"; CTA pairs (cta_group::2): GEMM 1 {'yes' if plan.gemm1.cluster == 2 else 'no'}, GEMM 2 "
+    """The schedule line's clusters: which forward GEMMs (and, in a training plan, which dgrads) run in the 2-CTA
+    form."""
+    line = (f"; CTA pairs (cta_group::2): GEMM 1 {'yes' if plan.gemm1.cluster == 2 else 'no'}, GEMM 2 "
             f"{'yes' if plan.gemm2.cluster == 2 else 'no'}")
+    bw = plan.backward
+    if bw is not None and 2 in (bw.dgrad1.cluster, bw.dgrad2.cluster):   # the default plans' line unchanged
+        line += (f", dgrad1 {'yes' if bw.dgrad1.cluster == 2 else 'no'}, dgrad2 "
+                 f"{'yes' if bw.dgrad2.cluster == 2 else 'no'}")
+    return line
 
 
 def explain_backward_gemm(spec: Spec, name: str, g: GemmPlan) -> tuple[str, str]:
@@ -346,7 +382,12 @@ def explain_backward_gemm(spec: Spec, name: str, g: GemmPlan) -> tuple[str, str]
         form = ("MXFP8 e4m3, e8m0 scales per 32 rows of each column (quant_mx_cols_*), both operands MN-major, "
                 "block-scaled tcgen05 MMA (wgrad*_dtype=mxfp8)" if name.startswith("wgrad") else
                 "MXFP8 e4m3, e8m0 scales per 32 along K, block-scaled tcgen05 MMA (W's column copy MN-major)")
+    elif name.startswith("dgrad") and g.cluster == 2:
+        form = (f"BF16, a CTA pair (dgrad{name[-1]}_cluster=2: cluster 2 along M, tcgen05.mma cta_group::2 on "
+                f"{TCGEN05_PAIR_BM}-row tiles, each CTA loads half of every W box (W read N-major: half the tile's "
+                f"N columns) and runs the epilogue of its own 128 rows; compiled, never run on a GPU)")
     else:
         form = "BF16"
-    return form, (f"    tile {g.tile_m} x {g.bn}, K step {g.bk}, raster {g.raster_group}, accumulators in tensor "
+    rows = f"{TCGEN05_PAIR_BM} (2 x {g.tile_m})" if name.startswith("dgrad") and g.cluster == 2 else f"{g.tile_m}"
+    return form, (f"    tile {rows} x {g.bn}, K step {g.bk}, raster {g.raster_group}, accumulators in tensor "
                   f"memory (stages, TMEM and smem: the budgets below)")

@@ -173,7 +173,8 @@ def kernel_tiles(plan: Any) -> dict[str, Tile]:
     """The tile each sm_100a GEMM kernel of `plan` is rendered with (mokgen.sm100.emit renders these): ``gemm1``
     (also ``gemm1_train``) and ``gemm2`` from the plan's forward GEMMs (GEMM 1's bn counts gate + up: bn / 2 per
     part); with a backward, ``dgrad1`` / ``dgrad2`` (the plan's tile N on GEMM 2's K step and epilogue; BF16: as
-    many stages as fit, at most the plan's; MXFP8: the plan's) and ``wgrad1`` / ``wgrad2`` (also their ``_acc``
+    many stages as fit, at most the plan's; MXFP8: the plan's; the 2-CTA form where the plan's dgrad has cluster
+    2, its CTA holding half of each W box) and ``wgrad1`` / ``wgrad2`` (also their ``_acc``
     forms: the plan's tile N and K step, epilogue WGRAD_EPI, as many stages as fit, at most the plan's; an MXFP8
     weight gradient, plan ``wgrad*_dtype=mxfp8``: the block-scaled tile with the plan's stages)."""
     mx = plan.spec.dtype == "mxfp8"
@@ -190,8 +191,10 @@ def kernel_tiles(plan: Any) -> dict[str, Tile]:
     g2 = plan.gemm2
     for name in ("dgrad1", "dgrad2"):
         d = getattr(bw, name)
-        t = Tile(1, d.bn, g2.bk, d.stages, g2.epi_n, g2.epi_stages, mx=mx)
-        out[name] = t if mx else Tile(1, d.bn, g2.bk, t.stages_fit(limit, most=d.stages), g2.epi_n, g2.epi_stages)
+        pair = d.cluster == 2   # plan dgrad*_cluster=2: the 2-CTA form (BF16)
+        t = Tile(1, d.bn, g2.bk, d.stages, g2.epi_n, g2.epi_stages, mx=mx, pair=pair)
+        out[name] = t if mx else Tile(1, d.bn, g2.bk, t.stages_fit(limit, most=d.stages), g2.epi_n, g2.epi_stages,
+                                      pair=pair)
     for name in ("wgrad1", "wgrad2"):
         w = getattr(bw, name)
         wmx = mx and w.elem_bytes == 1   # plan wgrad*_dtype=mxfp8: the block-scaled form, the plan's stages
