@@ -31,7 +31,7 @@ _SMEM_BARRIERS = 1024
 # kernel's st.global G2 epilogue. Choices that measured even are plan fields (epi_n, epi_stages).
 EXPERIMENTS = ("fused_profile",)
 # The archs with a renderer of their own (their package's emit.py), by arch; the others are this module's (sm_90a).
-ARCH_RENDERERS = {"sm_100a": _sm100_emit.emit}
+ARCH_RENDERERS = {_sm100_emit.ARCH: _sm100_emit.emit}
 
 
 def _check_smem(plan: Plan, smem: int, what: str) -> None:

@@ -692,7 +692,7 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
 # module with solve(spec, arch, overrides, shared) -> Plan (`shared`: this module's solver, SharedSolver) and the
 # explain parts that differ: explain_gemm, explain_tile, explain_clusters, explain_backward_gemm, explain_budgets.
 # The other archs are this module's (sm_90a's rules). Adding an arch: its package, and its row here.
-ARCH_RULES = {"sm_100a": _sm100_plan}
+ARCH_RULES = {_sm100_plan.ARCH: _sm100_plan}
 
 
 def _own_rules(arch: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 from .. import kernels
 from ..emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
 from ..plan_types import Plan
-from .rules import ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
+from .rules import ARCH, ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
 # UMMA_M, PAIR_M, ACC_STAGES, TMEM_COLUMNS, BARRIER_BYTES and the tile budgets: mokgen/sm100/rules.py (the plan's
@@ -57,7 +57,7 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         pair = plan.backward is not None and getattr(plan.backward, which).cluster == 2
     if save_z and which != 1:
         raise EmitError("render_grouped_gemm: save_z is GEMM 1's (which=1)")
-    if plan.arch != "sm_100a":
+    if plan.arch != ARCH:
         raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
     spec = plan.spec
     mx = spec.dtype == "mxfp8"
@@ -204,7 +204,7 @@ def emit(plan: Plan) -> Sources:
     SIMT templates) and, where the plan has a backward, gemm1_train, dgrad1, dgrad2 (grouped_gemm.py.j2) and the
     weight gradients wgrad1 / wgrad2 and their fp32 main_grad forms (wgrad.py.j2), each with its backward tile
     from the plan (stages: as many as fit)."""
-    if plan.arch != "sm_100a":
+    if plan.arch != ARCH:
         raise EmitError(f"plan.arch: mokgen.sm100.emit renders sm_100a kernels, got {plan.arch!r}")
     spec = plan.spec
     if spec.dtype not in ("bf16", "mxfp8"):
@@ -267,7 +267,7 @@ def wgrad_params(plan: Plan, which: str, *, accumulate: bool = False, bn: int = 
     128."""
     if which not in WGRADS:
         raise EmitError(f"render_wgrad: which is 'wgrad1' or 'wgrad2', got {which!r}")
-    if plan.arch != "sm_100a":
+    if plan.arch != ARCH:
         raise EmitError(f"plan.arch: the sm_100a templates need a plan solved for sm_100a, got {plan.arch!r}")
     spec = plan.spec
     if spec.dtype not in ("bf16", "mxfp8"):   # MXFP8 training: BF16 weight gradients from the bf16 tensors
@@ -333,7 +333,7 @@ def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
     if name not in MX_QUANT_TABLES:
         raise EmitError(f"render_quant_mx: unknown kernel {name!r}; the MXFP8 quantizers are "
                         f"{', '.join(MX_QUANT_TABLES)}")
-    if plan.arch != "sm_100a" or plan.spec.dtype != "mxfp8":
+    if plan.arch != ARCH or plan.spec.dtype != "mxfp8":
         raise EmitError(f"plan: the MXFP8 quantizers are rendered for dtype mxfp8 plans on sm_100a, got dtype "
                         f"{plan.spec.dtype!r} on {plan.arch!r}")
     spec = plan.spec

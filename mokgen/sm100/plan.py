@@ -39,6 +39,8 @@ from ..plan_types import (BACKWARD_GEMMS, MAX_STAGES, MIN_STAGES, WGRAD_DTYPE_KE
 from ..spec import Spec
 from . import rules
 
+ARCH = rules.ARCH
+
 TCGEN05_ONLY = {"schedule": "chain", "gemm1_a_load": "tma",
                  "consumer": "cooperative", "gemm1_consumer": "cooperative", "gemm2_consumer": "cooperative"}
 TCGEN05_CLUSTERS = (1, 2)   # 1: 1-CTA tiles (cta_group 1); 2: the 2-CTA form (cta_group 2)

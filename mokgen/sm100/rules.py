@@ -25,7 +25,9 @@ from typing import Any
 
 from ..arch import ARCHS
 
-__all__ = ["Tile", "kernel_tiles", "TMEM_COLUMNS", "UMMA_M", "PAIR_M", "ACC_STAGES", "BARRIER_BYTES",
+ARCH = "sm_100a"   # this package's row of mokgen.arch.ARCHS (the one place the shared stages learn its name)
+
+__all__ = ["ARCH", "Tile", "kernel_tiles", "TMEM_COLUMNS", "UMMA_M", "PAIR_M", "ACC_STAGES", "BARRIER_BYTES",
            "MIN_STAGES", "WGRAD_EPI", "mx_smem"]
 
 TMEM_COLUMNS = 512    # fp32 columns of tensor memory per SM
