@@ -454,9 +454,7 @@ def _fp8_wgrad_default(spec: Spec, arch: str, plan: Plan) -> Plan:
 
 
 def _widen_fp8_wgrads(spec: Spec, arch: str, plan: Plan, names: Iterable[str]) -> Plan:
-    """`plan` with FP8 weight gradients `names` on fp8_wgrad_wide's 128 x 256 tile."""
-    if plan.backward is None:
-        raise PlanError(f"plan.{next(iter(names))}_bn: this plan has no backward kernels")
+    """`plan` (with its backward kernels) with FP8 weight gradients `names` on fp8_wgrad_wide's 128 x 256 tile."""
     return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **{
         n: fp8_wgrad_wide(spec, _fp8_arch(arch), n, getattr(plan.backward, n)) for n in names}))
 
@@ -752,9 +750,9 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                 and overrides.get(f"{n}_bn", FP8_BN) == FP8_BN}
     wgrad_dtypes.update({k: FP8_WGRAD_DEFAULT for k in defaults})
     wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
-    # an FP8 weight gradient's tile: fp8_wgrad_wide's 128 x 256 (the default: see FP8_WGRAD_PROMOTE), or fp8_wgrad's 128 x 128 where
-    # ``wgrad*_bn=128`` or a promotion other than serial (a form of the 128 x 128 tile) is asked for; its stages
-    # apply to that tile
+    # an FP8 weight gradient's tile: fp8_wgrad_wide's 128 x 256 (the default: see FP8_WGRAD_PROMOTE), or
+    # fp8_wgrad's 128 x 128 where ``wgrad*_bn=128`` or a promotion other than serial (a form of the 128 x 128 tile)
+    # is asked for; its stages apply to that tile
     fp8_stages, fp8_wide = {}, []
     for key, value in wgrad_dtypes.items():
         name = key.removesuffix("_dtype")
@@ -776,8 +774,9 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if plan.backward is None:   # no training kernels: nothing to default
         wgrad_dtypes = {k: v for k, v in wgrad_dtypes.items() if k not in defaults}
         fp8_stages = {k: v for k, v in fp8_stages.items() if f"{k}_dtype" not in defaults}
-    plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes, defaults)
-    if fp8_wide and (plan.backward is not None or any(f"{n}_dtype" not in defaults for n in fp8_wide)):
+        fp8_wide = [n for n in fp8_wide if f"{n}_dtype" not in defaults]
+    plan = _wgrad_dtypes(spec, arch, plan, wgrad_dtypes, defaults)   # an asked-for FP8 one needs the backward
+    if fp8_wide:
         plan = _widen_fp8_wgrads(spec, arch, plan, fp8_wide)
     for name, value in fp8_stages.items():
         g = getattr(plan.backward, name)

@@ -47,23 +47,24 @@ TCGEN05_CLUSTERS = (1, 2)   # 1: 1-CTA tiles (cta_group 1); 2: the 2-CTA form (c
 TCGEN05_PAIR_BM = 256       # the 2-CTA form's routing tile: one pair tile (2 x 128 rows)
 
 
+def _pair_choice(spec: Spec, arch: str, key: str, value: Any, who: str, one_cta: str) -> int:
+    """An override's cluster on a tcgen05 arch: 1 (1-CTA tiles) or 2 (the 2-CTA form; BF16 only so far), else a
+    one-line PlanError (`who` runs it, `one_cta` is what another dtype runs instead)."""
+    if isinstance(value, bool) or value not in TCGEN05_CLUSTERS:
+        raise PlanError(f"plan.{key}: the {arch} {who} run cluster 1 (1-CTA tiles) or 2 (a CTA pair on a "
+                        f"{TCGEN05_PAIR_BM}-row tile, tcgen05 cta_group 2), got {value!r}")
+    if value == 2 and spec.dtype != "bf16":
+        raise PlanError(f"plan.{key}: the {arch} 2-CTA form (cluster 2) is BF16 only so far; dtype "
+                        f"{spec.dtype} runs {one_cta}")
+    return value
+
+
 def _clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[int, int]:
-    """The forward GEMMs' cluster on a tcgen05 arch ({1: c1, 2: c2}): 1 (1-CTA tiles) unless overridden to 2
-    (the 2-CTA form; BF16 only so far), each refused in one line."""
+    """The forward GEMMs' cluster on a tcgen05 arch ({1: c1, 2: c2}): 1 unless overridden (:func:`_pair_choice`)."""
     out = {}
     for which in (1, 2):
         found = _gemm_override(overrides, which, "cluster")
-        if found is None:
-            out[which] = 1
-            continue
-        key, value = found
-        if isinstance(value, bool) or value not in TCGEN05_CLUSTERS:
-            raise PlanError(f"plan.{key}: the {arch} GEMMs run cluster 1 (1-CTA tiles) or 2 (a CTA pair on a "
-                            f"{TCGEN05_PAIR_BM}-row tile, tcgen05 cta_group 2), got {value!r}")
-        if value == 2 and spec.dtype != "bf16":
-            raise PlanError(f"plan.{key}: the {arch} 2-CTA form (cluster 2) is BF16 only so far; dtype "
-                            f"{spec.dtype} runs 1-CTA tiles")
-        out[which] = value
+        out[which] = 1 if found is None else _pair_choice(spec, arch, *found, "GEMMs", "1-CTA tiles")
     return out
 
 
@@ -71,21 +72,14 @@ DGRAD_CLUSTER_KEYS = ("dgrad1_cluster", "dgrad2_cluster")
 
 
 def _dgrad_clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[str, int]:
-    """The dgrads' cluster on a tcgen05 arch ({"dgrad1": c, "dgrad2": c}): 1 (1-CTA tiles) unless
-    ``dgrad1_cluster`` / ``dgrad2_cluster`` is 2 (the 2-CTA form; BF16 training plans only so far), each refused in
-    one line. Opt-in per dgrad: a forward ``cluster=2`` leaves the dgrads 1-CTA (they are separate kernels with their
-    own W reads; nothing of either pair form has run on a GPU, so neither is implied by the other)."""
+    """The dgrads' cluster on a tcgen05 arch ({"dgrad1": c, "dgrad2": c}): 1 unless ``dgrad1_cluster`` /
+    ``dgrad2_cluster`` asks for 2 (:func:`_pair_choice`; BF16 training plans only so far). Opt-in per dgrad: a
+    forward ``cluster=2`` leaves the dgrads 1-CTA (they are separate kernels with their own W reads; nothing of
+    either pair form has run on a GPU, so neither is implied by the other)."""
     out = {}
     for key in DGRAD_CLUSTER_KEYS:
         name = key.removesuffix("_cluster")
-        value = overrides.get(key, 1)
-        if isinstance(value, bool) or value not in TCGEN05_CLUSTERS:
-            raise PlanError(f"plan.{key}: the {arch} dgrads run cluster 1 (1-CTA tiles) or 2 (a CTA pair on a "
-                            f"{TCGEN05_PAIR_BM}-row tile, tcgen05 cta_group 2), got {value!r}")
-        if value == 2 and spec.dtype != "bf16":
-            raise PlanError(f"plan.{key}: the {arch} 2-CTA form (cluster 2) is BF16 only so far; dtype "
-                            f"{spec.dtype} runs {name} in 1-CTA tiles")
-        out[name] = value
+        out[name] = _pair_choice(spec, arch, key, overrides.get(key, 1), "dgrads", f"{name} in 1-CTA tiles")
     return out
 
 
