@@ -113,10 +113,9 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         if (d1.bn // 4) % cfg["dgrad1_z_chunk"]:
             out.append(f"dgrad1_z_chunk: {cfg['dgrad1_z_chunk']} does not divide the {d1.bn // 4} z pairs a thread "
                        f"holds (FP8 dgrad1 bn {d1.bn})")
-    # the FP8 weight gradients: asked for, or the default where neither the dtype nor a BF16 tile N is given
-    # (mokgen.plan._solve_dtype's rule)
-    fp8_w = {n for n in ("wgrad1", "wgrad2") if cfg.get(f"{n}_dtype", P.FP8_WGRAD_DEFAULT if cfg.get(
-        f"{n}_bn", P.FP8_BN) == P.FP8_BN else "bf16") == "fp8"}
+    # the FP8 weight gradients: asked for, or the default where it applies
+    fp8_w = {n for n in ("wgrad1", "wgrad2") if cfg.get(f"{n}_dtype", P.FP8_WGRAD_DEFAULT if
+                                                        P.wgrad_default_applies(spec, n, cfg) else "bf16") == "fp8"}
     for n in ("wgrad1", "wgrad2"):
         if f"{n}_promote" in cfg and n not in fp8_w:
             out.append(f"{n}_promote: the promotion applies to FP8 weight gradients ({n}_dtype=fp8)")

@@ -742,12 +742,16 @@ FP8_WGRAD_PROMOTE = "overlap"
 # (``wgrad*_bn=128``; the overlap and stagger promotions are forms of that tile) and tune --train searches them.
 
 
+def wgrad_default_applies(spec: Spec, name: str, overrides: Mapping[str, Any]) -> bool:
+    """Does weight gradient `name` of an FP8 spec take FP8_WGRAD_DEFAULT under `overrides`? Where neither its dtype
+    nor a BF16 tile N (``wgrad*_bn`` other than FP8's) is asked for."""
+    return (spec.dtype == "fp8" and f"{name}_dtype" not in overrides
+            and overrides.get(f"{name}_bn", FP8_BN) == FP8_BN)
+
+
 def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
+    defaults = {f"{n}_dtype" for n in ("wgrad1", "wgrad2") if wgrad_default_applies(spec, n, overrides)}
     wgrad_dtypes = {k: overrides.pop(k) for k in WGRAD_DTYPE_KEYS if k in overrides}
-    # the default applies where neither the dtype nor a BF16 tile N (wgrad*_bn other than FP8's) was asked for
-    defaults = {f"{n}_dtype" for n in ("wgrad1", "wgrad2")
-                if spec.dtype == "fp8" and f"{n}_dtype" not in wgrad_dtypes
-                and overrides.get(f"{n}_bn", FP8_BN) == FP8_BN}
     wgrad_dtypes.update({k: FP8_WGRAD_DEFAULT for k in defaults})
     wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
     # an FP8 weight gradient's tile: fp8_wgrad_wide's 128 x 256 (the default: see FP8_WGRAD_PROMOTE), or
