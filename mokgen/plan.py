@@ -844,6 +844,10 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     for key in ("dgrad1_cluster", "dgrad2_cluster"):
         if key in overrides:
             raise PlanError(f"plan.{key}: the FP8 dgrads run cluster 1 (fp8_gemm); the pair multicast is BF16's")
+    for key in ("consumer", "gemm1_consumer", "gemm2_consumer", "dgrad1_consumer", "dgrad2_consumer"):
+        if overrides.get(key, "cooperative") != "cooperative":   # was taken for the BF16 tile, then not a tile
+            raise PlanError(f"plan.{key}: the FP8 GEMMs run cooperative 128-row tiles (two warpgroups per tile: "
+                            f"the promotion's second accumulator), got {overrides[key]!r}; pingpong is BF16's")
     if overrides.get("gemm1_a_load", "tma") != "tma":   # taken by _solve for the BF16 tile, then replaced
         raise PlanError(f"plan.gemm1_a_load: the FP8 GEMM 1 reads quant_rows_gather's e4m3 rows by TMA (tma), got "
                         f"{overrides['gemm1_a_load']!r}")

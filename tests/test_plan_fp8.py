@@ -77,6 +77,12 @@ def test_fp8_overrides():
         solve(spec, promote="fast")
     with pytest.raises(PlanError, match=r"^plan\.promote: the promotion mode applies to FP8 specs"):
         solve(load_spec("kimi-k2"), promote="overlap")
+    # the BF16 ping-pong tile (64-row routing tiles) is no FP8 tile: refused, not planned into a broken plan
+    for key in ("consumer", "gemm1_consumer", "gemm2_consumer", "dgrad1_consumer", "dgrad2_consumer"):
+        with pytest.raises(PlanError, match=rf"^plan\.{key}: the FP8 GEMMs run cooperative 128-row tiles .* got "
+                                            r"'pingpong'; pingpong is BF16's$"):
+            solve(spec, **{key: "pingpong"})
+    assert solve(spec, consumer="cooperative").canonical_json() == solve(spec).canonical_json()
     with pytest.raises(PlanError, match=r"^plan\.arch: dtype fp8 is not planned for sm_100a yet"):
         solve(spec, "sm_100a")
     assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
