@@ -52,7 +52,7 @@ for step in "$@"; do
         $secs $NCU_ARGS -o "$OUT/step" python3 tools/ncu_step.py $rest > "$OUT/ncu-labels.txt" 2> "$OUT/ncu.err"
       echo "exit $?"; grep -c "^label" "$OUT/ncu-labels.txt"; grep "==ERROR==" "$OUT/ncu-labels.txt" "$OUT/ncu.err" | head -5
       "$NCU" -i "$OUT/step.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
-      python3 tools/ncu_summary.py "$OUT/ncu-raw.csv" "$OUT/ncu-labels.txt" --all 2>&1 | cut -c1-250 ;;
+      python3 tools/ncu_summary.py "$OUT/ncu-raw.csv" "$OUT/ncu-labels.txt" --all 2>&1 | cut -c1-300 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -27,6 +27,10 @@ METRICS = [
     ("l2_to_sm_gb", "l1tex__m_xbar2l1tex_read_bytes.sum", 1.0),
     ("minst", "smsp__inst_executed.sum", 1e-6),
     ("gmma_minst", "smsp__sass_inst_executed_op_shared_gmma.sum", 1e-6),
+    ("dram_pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+    ("occupancy_pct", "sm__warps_active.avg.pct_of_peak_sustained_active", 1.0),
+    ("regs", "launch__registers_per_thread", 1.0),
+    ("issue_active_pct", "sm__inst_issued.avg.pct_of_peak_sustained_active", 1.0),
 ]
 
 
@@ -64,12 +68,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     recs = load(a.raw_csv, a.labels)
     cols = [c for c, _, _ in METRICS if any(c in r for r in recs)]
-    print(f"{'item':66s} {'phase':7s}" + "".join(f"{c:>18s}" for c in cols))
+    w = {c: max(9, len(c) + 1) for c in cols}
+    print(f"{'item':40s} {'phase':16s}" + "".join(f"{c:>{w[c]}s}" for c in cols))
     for r in recs:
         if not a.all and not r["phase"].startswith("gemm"):
             continue
-        print(f"{r['item'][:66]:66s} {r['phase']:7s}" + "".join(
-            f"{r.get(c, math.nan):18.4g}" for c in cols))
+        print(f"{r['item'][:40]:40s} {r['phase'][:16]:16s}" + "".join(
+            f"{r.get(c, math.nan):{w[c]}.4g}" for c in cols))
     if a.json:
         p = Path(a.json)
         old = json.loads(p.read_text()) if p.exists() else []
