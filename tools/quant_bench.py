@@ -1,0 +1,184 @@
+"""The FP8 quantizers alone, on the GPU: template variants of each against the shipped form, same process.
+
+    python tools/quant_bench.py [--specs kimi-k2-fp8 ...] [--rounds 5] [--reps 50] [--out bench/results/quant-h200.json]
+
+For each FP8 spec the layer's six quantizers run on its training-step sizes (rows = tokens x topk rounded up to
+128, all used; gathered rows from random tokens): quant_rows_gather (x), quant_rows_used (h), quant_both_gather
+(dO), quant_both_used (dz), quant_cols_used (s a), quant_cols_gather (x). Every variant of a kernel (template
+parameters: ``tiles`` for the row quantizers, ``ctas`` for the column ones, 0 being the one-block-per-CTA form)
+is built into its own library, run on the same inputs with poisoned outputs, and compared bit for bit with the
+shipped form (mokgen.emit.FP8_QUANT's parameters); timings are CUDA-event medians over ``--reps`` launches, rounds
+interleaved across variants. GB/s counts the bytes a kernel must move: the rows read once (gathered rows: the
+tokens' rows once, as the floor), everything written once. Prints a table and appends one JSON record per run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mokgen import build, fp8_ops, kernels  # noqa: E402
+from mokgen.emit import FP8_QUANT, emit_fp8_quant  # noqa: E402
+from mokgen.ops import load_library  # noqa: E402
+from mokgen.plan import solve  # noqa: E402
+from mokgen.spec import load_spec  # noqa: E402
+
+KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_both_gather", "quant_both_used", "quant_cols_used",
+           "quant_cols_gather")
+
+
+def variants(sms: int) -> list[dict]:
+    """Template parameter sets, one library each (the shipped parameters are variant 0)."""
+    return [{}, {"tiles": 2, "ctas": sms}, {"tiles": 4, "ctas": 2 * sms}, {"tiles": 8, "ctas": 3 * sms}]
+
+
+def params_of(name: str, var: dict) -> dict:
+    base = FP8_QUANT[name][2]
+    return {k: v for k, v in var.items() if k in base}
+
+
+def build_variant(plan, var: dict, out: Path) -> None:
+    build.build(emit_fp8_quant(plan, KERNELS, form=var), plan.arch, out, progress=False)
+
+
+def inputs(spec, dev: str, seed: int = 0) -> dict:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    t, h, i = spec.tokens, spec.hidden, spec.ffn
+    rows = -(-t * spec.topk // 128) * 128
+    bm = 128
+
+    def rnd(*shape):
+        x = torch.randn(*shape, generator=g, device=dev).to(torch.bfloat16)
+        x[x == 0] = 1.0
+        return x
+
+    return {"rows": rows, "bm": bm, "x": rnd(t, h), "h": rnd(rows, i), "dz": rnd(rows, 2 * i), "sa": rnd(rows, i),
+            "row_src": torch.randint(0, t, (rows,), generator=g, device=dev, dtype=torch.int32),
+            "meta": torch.tensor([rows // bm, 0, 0, 0], dtype=torch.int32, device=dev)}
+
+
+def launch(fns, name: str, d: dict):
+    if name == "quant_rows_gather":
+        return fp8_ops.quantize_gathered_rows(fns, d["x"], d["row_src"], d["meta"])
+    if name == "quant_rows_used":
+        return fp8_ops.quantize_used_rows(fns, d["h"], d["meta"])
+    if name == "quant_both_gather":
+        return fp8_ops.quantize_gathered_both(fns, d["x"], d["row_src"], d["meta"])
+    if name == "quant_both_used":
+        return fp8_ops.quantize_used_both(fns, d["dz"], d["meta"])
+    if name == "quant_cols_used":
+        return fp8_ops.quantize_used_cols(fns, d["sa"], d["meta"])
+    if name == "quant_cols_gather":
+        return fp8_ops.quantize_gathered_cols(fns, d["x"], d["row_src"], d["meta"])
+    raise KeyError(name)
+
+
+def floor_bytes(name: str, d: dict) -> int:
+    rows = d["rows"]
+    src = {"quant_rows_gather": "x", "quant_rows_used": "h", "quant_both_gather": "x", "quant_both_used": "dz",
+           "quant_cols_used": "sa", "quant_cols_gather": "x"}[name]
+    x = d[src]
+    k = x.shape[1]
+    read = x.numel() * 2
+    one = rows * k + rows * (-(-k // 128)) * 4          # e4m3 bytes + one scale per 128 (either form)
+    return read + (2 * one if name.startswith("quant_both") else one)
+
+
+def kwargs_of(name: str, d: dict, outs) -> dict:
+    """The kernel's named arguments (kernels.call) with ``outs`` (what :func:`launch` returned) as its outputs."""
+    src = {"quant_rows_gather": "x", "quant_rows_used": "h", "quant_both_gather": "x", "quant_both_used": "dz",
+           "quant_cols_used": "sa", "quant_cols_gather": "x"}[name]
+    kw = {"x": d[src]}
+    if name.endswith("gather"):
+        kw["row_src"] = d["row_src"]
+    kw["meta"] = d["meta"]
+    names = {"quant_rows": ("q", "s"), "quant_cols": ("qt", "st"), "quant_both": ("q", "s", "qt", "st")}
+    kw.update(zip(names[name.rsplit("_", 1)[0]], outs))
+    return kw
+
+
+def timed(fns, name: str, kw: dict, reps: int) -> float:
+    """ms per launch: CUDA events around ``reps`` back-to-back launches (outputs preallocated: GPU-bound)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    kernels.call(fns, name, **kw)
+    a.record()
+    for _ in range(reps):
+        kernels.call(fns, name, **kw)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--specs", nargs="+", default=["kimi-k2-fp8", "tools/specs/qwen3.5-397b-a17b-fp8.yaml"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--run", default=None)
+    a = ap.parse_args(argv)
+    import tvm_ffi
+
+    dev = "cuda"
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    vars_ = variants(sms)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec_name in a.specs:
+            spec = load_spec(spec_name)
+            plan = solve(spec, "sm_90a")
+            libs = []
+            for vi, var in enumerate(vars_):
+                out = Path(tmp) / f"{spec.name}-{vi}"
+                build_variant(plan, var, out)
+                libs.append(load_library(out, kernels.FP8_QUANT_KERNELS))
+            d = inputs(spec, dev)
+            with tvm_ffi.use_torch_stream(torch.cuda.device(0)):
+                for name in KERNELS:
+                    ref = [t.clone() for t in launch(libs[0], name, d)]
+                    same = []
+                    for fns in libs:
+                        got = launch(fns, name, d)
+                        # outputs are fresh (torch.empty) each call: poison, relaunch, compare
+                        for t in got:
+                            t.fill_(255) if t.dtype == torch.uint8 else t.fill_(float("nan"))
+                        got = launch(fns, name, d)
+                        same.append(all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                        for x, y in zip(got, ref)))
+                    kw = kwargs_of(name, d, ref)
+                    ms = [[] for _ in libs]
+                    for _ in range(a.rounds):
+                        for vi, fns in enumerate(libs):
+                            ms[vi].append(timed(fns, name, kw, a.reps))
+                    fb = floor_bytes(name, d)
+                    for vi, var in enumerate(vars_):
+                        m = statistics.median(ms[vi])
+                        rec = {"spec": spec.name, "kernel": name, "variant": params_of(name, var) or "shipped",
+                               "median_ms": round(m, 5), "gbps": round(fb / m / 1e6, 1),
+                               "ratio_vs_shipped": round(statistics.median(ms[0]) / m, 4),
+                               "same_bits": same[vi], "rows": d["rows"]}
+                        records.append(rec)
+                        print(f"{spec.name:24s} {name:18s} {json.dumps(rec['variant']):24s} {m:8.4f} ms "
+                              f"{rec['gbps']:8.1f} GB/s  x{rec['ratio_vs_shipped']:.3f}  bits {'same' if same[vi] else 'DIFFER'}",
+                              flush=True)
+    if a.out:
+        p = Path(a.out)
+        old = json.loads(p.read_text()) if p.exists() else []
+        meta = {"gpu": props.name, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "versions": {"torch": torch.__version__}, "run": a.run}
+        p.write_text(json.dumps(old + [{**meta, **r} for r in records], indent=1) + "\n")
+    return 0 if all(r["same_bits"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
