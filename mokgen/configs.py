@@ -5,7 +5,9 @@ the solver ranks and ``mokgen tune`` / ``tune --train`` compile and time (:func:
 :func:`enumerate_backward_configs`).
 
 The knob table itself (legal values, search values, override keys) is :mod:`mokgen.space`, which the plan reads;
-this module needs the plan (it solves and inspects plans), so it sits above both.
+this module needs the plan (it solves and inspects plans), so it sits above both. The constraints here are sm_90a's;
+an arch with kernels of its own has its constraints in its package (:data:`ARCH_CONFIGS`; sm_100a:
+mokgen/sm100/configs.py), checked after the override keys and values of its own table.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import itertools
 from typing import Any, Iterator, Mapping
 
 from . import plan as P
-from .sm100 import rules as sm100_rules
+from .sm100 import configs as sm100_configs
 from . import space as S
 
-__all__ = ["check_config", "check_plan", "enumerate_configs", "enumerate_backward_configs"]
+__all__ = ["check_config", "check_plan", "enumerate_configs", "enumerate_backward_configs", "ARCH_CONFIGS"]
+
+# The archs whose constraints are their package's (check_config after the table's keys and values, check_plan): a
+# module with check_config(spec, arch, cfg) and check_plan(plan). Adding an arch: its package's configs.py, its row.
+ARCH_CONFIGS = {"sm_100a": sm100_configs}
 
 
 def _resolved(cfg: Mapping[str, Any], kernel: str, key: str, default: Any) -> Any:
@@ -34,11 +40,13 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
     keys = S.override_keys(arch)
     for key, value in cfg.items():
         if key not in keys:
-            out.append(f"{key}: unknown override")
+            out.append(f"{key}: not a knob of {arch}")
         elif value not in S.legal_values(key, arch):
-            out.append(f"{key}: {value!r} not in the space")
+            out.append(f"{key}: {value!r} not in the {arch} space")
     if out:
         return out
+    if (own := ARCH_CONFIGS.get(arch)) is not None:   # e.g. sm_100a: its kernels' constraints
+        return own.check_config(spec, arch, cfg)
     if getattr(spec, "dtype", "bf16") == "fp8":
         return _check_fp8_config(spec, arch, cfg)
     if any(k.endswith("promote") for k in cfg):
@@ -176,7 +184,11 @@ def check_plan(plan: Any) -> list[str]:
     """The constraints on a solved :class:`mokgen.plan.Plan` (empty: it satisfies them all): every knob's value in
     the table, tile N divisibility, the stage ring + epilogue buffers + barriers within the CTA's shared memory
     (as the templates allocate it), accumulator registers, tiles dividing the routing tile, the fused template's
-    requirements. Recomputed from the plan's fields, independently of how the solver chose them."""
+    requirements. Recomputed from the plan's fields, independently of how the solver chose them. An arch with
+    constraints of its own (:data:`ARCH_CONFIGS`, e.g. sm_100a: its TMEM and shared-memory budgets) checks its plans
+    itself."""
+    if (own := ARCH_CONFIGS.get(plan.arch)) is not None:
+        return own.check_plan(plan)
     sp_ = S.space(plan.arch)
     a = P.get_arch(plan.arch)
     spec = plan.spec
@@ -207,7 +219,7 @@ def check_plan(plan: Any) -> list[str]:
         stage = (tile_m + g.bn) * g.bk * g.elem_bytes
         epi = (2 if g.consumer == "pingpong" else 1) * tile_m * P.EPI_N * P.ELEM_BYTES * P.EPI_BUFFERS
         smem = g.stages * stage + epi + P.BARRIER_BYTES
-        if smem > a.smem_per_cta and not a.has_tcgen05:   # sm_100a: its kernels' budgets below
+        if smem > a.smem_per_cta:
             out.append(f"{name}: {g.stages} stages need {smem} B of shared memory > {a.smem_per_cta}")
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{name}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "
@@ -218,9 +230,6 @@ def check_plan(plan: Any) -> list[str]:
             out.append(f"{name}.a_hint {g.a_hint!r} but A is not loaded by TMA tiles")
     if plan.backward is not None:
         out += _check_backward_plan(plan)
-    if a.has_tcgen05:   # the sm_100a kernels' tile rules and budgets (TMEM, shared memory): mokgen.sm100.rules
-        out += [f"{name}.{field}: {why}" for name, t in sm100_rules.kernel_tiles(plan).items()
-                for field, why in t.problems(a.smem_per_cta)]
     fp8_gemms = [("gemm1", plan.gemm1), ("gemm2", plan.gemm2)] + (
         [("backward.dgrad1", plan.backward.dgrad1), ("backward.dgrad2", plan.backward.dgrad2)] if plan.backward else [])
     for name, g in fp8_gemms:
@@ -257,7 +266,7 @@ def _check_backward_plan(plan: Any) -> list[str]:
             continue
         if not sp_.min_stages <= g.stages <= sp_.max_stages:
             out.append(f"{where}.stages {g.stages} outside [{sp_.min_stages}, {sp_.max_stages}]")
-        if g.smem_bytes() > a.smem_per_cta and not a.has_tcgen05:   # sm_100a: check_plan's kernel budgets
+        if g.smem_bytes() > a.smem_per_cta:
             out.append(f"{where}: {g.stages} stages need {g.smem_bytes()} B of shared memory > {a.smem_per_cta}")
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{where}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "
@@ -301,15 +310,16 @@ def _check_backward_plan(plan: Any) -> list[str]:
     return out
 
 
-def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] = S.SEARCH_AXES,
+def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] | None = None,
                       fixed: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Every override dict over ``axes`` (each axis over its knob's ``search`` values; ``fixed`` pins keys) that
-    passes :func:`check_config`: what the solver ranks and tune compiles. Combinations a template cannot run are
-    skipped here (the fused schedule takes only cooperative, cluster-1, gathered, equal-bn configs), so every
-    config yielded solves (:func:`mokgen.plan.solve`) to a plan that passes :func:`check_plan` (tested)."""
+    """Every override dict over ``axes`` (default: the arch's forward axes for the spec's dtype, what its form
+    leaves free: :meth:`mokgen.space.ArchSpace.forward_axes`; each axis over its knob's ``search`` values; ``fixed``
+    pins keys) that passes :func:`check_config`: what the solver ranks and tune compiles. Combinations a template
+    cannot run are skipped here (the fused schedule takes only cooperative, cluster-1, gathered, equal-bn configs),
+    so every config yielded solves (:func:`mokgen.plan.solve`) to a plan that passes :func:`check_plan` (tested)."""
     fixed = dict(fixed or {})
-    if getattr(spec, "dtype", "bf16") == "fp8" and axes == S.SEARCH_AXES:
-        axes = S.FP8_SEARCH_AXES   # what the FP8 form leaves free
+    if axes is None:
+        axes = S.space(arch).forward_axes(getattr(spec, "dtype", "bf16"))
     free = [ax for ax in axes if ax not in fixed]
     for combo in itertools.product(*(S.axis_values(arch, ax) for ax in free)):
         cfg = {**dict(zip(free, combo)), **fixed}
@@ -323,13 +333,14 @@ def enumerate_configs(spec: Any, arch: str = "sm_90a", axes: tuple[str, ...] = S
 
 
 def enumerate_backward_configs(spec: Any, arch: str = "sm_90a", fixed: Mapping[str, Any] | None = None,
-                               axes: tuple[str, ...] = S.BACKWARD_SEARCH_AXES) -> Iterator[dict[str, Any]]:
+                               axes: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
     """The backward variants of the plan ``solve(spec, arch, **fixed)``: one override ``{axis: value}`` per
-    axis and search value that passes :func:`check_config` together with ``fixed`` and changes the solved
+    axis (default: the arch's backward axes, :attr:`mokgen.space.ArchSpace.backward_axes`) and search value that passes :func:`check_config` together with ``fixed`` and changes the solved
     backward plan (a value equal to the derived one is the base itself; two keys giving the same plan are
     yielded once). Every variant solves to a plan that passes :func:`check_plan` (tested on every preset)."""
     fixed = dict(fixed or {})
     sp_ = S.space(arch)
+    axes = sp_.backward_axes if axes is None else axes
     base = P.solve(spec, arch, **fixed).backward
     seen = {base}
     for axis in axes:

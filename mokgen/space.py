@@ -1,64 +1,29 @@
 """The config space: per arch and per kernel, every plan choice (knob), its legal values and the values tune
-searches. One table serves every reader, so there is no second list of choices:
+searches. One table per arch serves every reader, so there is no second list of choices: sm_90a's here
+(:data:`SM90`), sm_100a's in its package (:mod:`mokgen.sm100.space`, the tcgen05 kernels' knobs); :data:`SPACES`
+maps an arch to its table.
 
 * ``mokgen.plan`` takes its legal values from here (tile N, stages, consumer modes, A-load paths, clusters,
   L2 hints, schedules, raster range) and its override keys (:func:`override_keys`);
-* ``mokgen plan --set KEY=VALUE`` / ``solve(**overrides)`` are validated against the same values;
+* ``mokgen plan --set KEY=VALUE`` / ``solve(**overrides)`` are validated against the same values (an sm_100a plan:
+  against sm_100a's table, by :mod:`mokgen.sm100.plan`; an sm_90a-only key is refused there, not ignored);
 * :mod:`mokgen.configs` holds the constraints a combination must satisfy (shared memory, registers,
   divisibility, what each template supports) and enumerates the override dicts the solver ranks and
-  ``mokgen tune`` compiles and times.
+  ``mokgen tune`` compiles and times, over the axes each arch's table names (:attr:`ArchSpace.search_axes`,
+  :attr:`ArchSpace.backward_axes`, per dtype :meth:`ArchSpace.forward_axes`).
 
 Light on purpose: no sympy, no torch, and no import of the plan (which imports this table).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from .space_types import ArchSpace, Knob  # the table's types (re-exported: space.Knob, space.ArchSpace)
+from .sm100.space import SM100  # sm_100a's table: its package's
 
 __all__ = ["Knob", "ArchSpace", "SPACES", "space", "override_keys", "legal_values", "SEARCH_AXES",
            "BACKWARD_SEARCH_AXES", "FP8_SEARCH_AXES", "axis_values", "backward_kernel"]
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One plan choice of some kernels. Override keys: ``<kernel>_<key>`` per kernel, and ``<key>`` for all of
-    them where ``shared`` (``consumer=pingpong`` sets both forward GEMMs; ``gemm2_consumer`` only GEMM 2)."""
-
-    key: str
-    kernels: tuple[str, ...]  # kernel names ("gemm1", "gemm2", "dgrad1", ...) or ("plan",) for plan-wide knobs
-    values: tuple[Any, ...]  # every legal value
-    shared: bool = False  # the bare key applies to every kernel of the knob
-    search: tuple[Any, ...] | None = None  # values tune searches by default; None: derived by the plan's rules
-    doc: str = ""
-
-    def keys(self) -> tuple[str, ...]:
-        if self.kernels == ("plan",):
-            return (self.key,)
-        own = tuple(f"{k}_{self.key}" for k in self.kernels)
-        return own + ((self.key,) if self.shared else ())
-
-
-@dataclass(frozen=True)
-class ArchSpace:
-    """The knobs of one arch's templates and the kernel constants the constraints use."""
-
-    arch: str
-    templates: str  # the template family that implements these knobs
-    knobs: tuple[Knob, ...]
-    bm: int = 128  # cooperative M tile (2 consumer warpgroups x 64 rows)
-    bk: int = 64
-    min_stages: int = 3
-    max_stages: int = 7
-
-    def knob(self, key: str, kernel: str | None = None) -> Knob:
-        for k in self.knobs:
-            if k.key == key and (kernel is None or kernel in k.kernels):
-                return k
-        raise KeyError(f"{self.arch}: no knob {key!r}" + (f" for {kernel}" if kernel else ""))
-
-    def values(self, key: str, kernel: str | None = None) -> tuple[Any, ...]:
-        return self.knob(key, kernel).values
 
 
 _FWD = ("gemm1", "gemm2")
@@ -67,6 +32,27 @@ _WGRAD = ("wgrad1", "wgrad2")
 _BN = (64, 128, 192, 256)
 _MIN_STAGES, _MAX_STAGES = 3, 7
 _RASTER_MAX = 64
+
+# sm_90a's axes tune searches by default (the knobs with a `search` tuple), in the order the candidates vary.
+SEARCH_AXES = ("schedule", "gemm1_bn", "gemm2_bn", "gemm1_consumer", "gemm2_consumer", "gemm1_a_load", "cluster")
+
+# The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
+# schedule: mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape:
+# bench/NOTES.md v13), GEMM 2's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14) and the W-tile
+# cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
+FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm2_bn", "cluster")
+
+# The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
+# GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
+# composed afterwards and the composition is timed too).
+BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1_z_chunk", "dgrad1_stages",
+                        "dgrad1_epi_store", "dgrad1_raster_group", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
+                        "dgrad2_epi_store", "dgrad2_raster_group",
+                        "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
+                        "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
+                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams",
+                        "wgrad1_dtype", "wgrad2_dtype", "wgrad1_promote", "wgrad2_promote")
+
 
 SM90 = ArchSpace(
     arch="sm_90a",
@@ -148,10 +134,14 @@ SM90 = ArchSpace(
     ),
     min_stages=_MIN_STAGES,
     max_stages=_MAX_STAGES,
+    search_axes=SEARCH_AXES,
+    backward_axes=BACKWARD_SEARCH_AXES,
+    dtype_axes=(("fp8", FP8_SEARCH_AXES),),
 )
 
-# sm_100a: the plan solves it with the sm_90a tile rules until its tcgen05 templates exist (emit refuses it)
-SPACES: dict[str, ArchSpace] = {"sm_90a": SM90, "sm_100a": ArchSpace(**{**SM90.__dict__, "arch": "sm_100a"})}
+# Every arch's table: sm_90a's above, sm_100a's in its package (mokgen/sm100/space.py: the tcgen05 kernels' knobs).
+# Adding an arch: its package's space.py, and its row here.
+SPACES: dict[str, ArchSpace] = {SM90.arch: SM90, SM100.arch: SM100}
 
 
 def space(arch: str) -> ArchSpace:
@@ -177,10 +167,6 @@ def legal_values(key: str, arch: str = "sm_90a") -> tuple[Any, ...]:
     return tuple(out)
 
 
-# The axes tune searches by default (the knobs with a `search` tuple), in the order the candidates vary.
-SEARCH_AXES = ("schedule", "gemm1_bn", "gemm2_bn", "gemm1_consumer", "gemm2_consumer", "gemm1_a_load", "cluster")
-
-
 def axis_values(arch: str, axis: str) -> tuple[Any, ...]:
     sp_ = space(arch)
     if axis == "schedule":
@@ -191,24 +177,6 @@ def axis_values(arch: str, axis: str) -> tuple[Any, ...]:
         return sp_.knob("promote", "gemm1").search or ()
     kernel, _, key = axis.partition("_")
     return sp_.knob(key, kernel).search or ()
-
-
-# The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
-# schedule: mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape:
-# bench/NOTES.md v13), GEMM 2's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14) and the W-tile
-# cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
-FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm2_bn", "cluster")
-
-# The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
-# GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
-# composed afterwards and the composition is timed too).
-BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1_z_chunk", "dgrad1_stages",
-                        "dgrad1_epi_store", "dgrad1_raster_group", "dgrad2_bn", "dgrad2_consumer", "dgrad2_stages",
-                        "dgrad2_epi_store", "dgrad2_raster_group",
-                        "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
-                        "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
-                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams",
-                        "wgrad1_dtype", "wgrad2_dtype", "wgrad1_promote", "wgrad2_promote")
 
 
 def backward_kernel(key: str) -> str:

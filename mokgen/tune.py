@@ -84,6 +84,9 @@ def config_of(plan: Any) -> dict[str, Any]:
         if g.a_hint != "normal":
             cfg[f"{name}_a_hint"] = g.a_hint
     cfg["gemm1_a_load"] = plan.gemm1.a_load
+    if getattr(plan.spec, "dtype", "bf16") == "mxfp8":   # sm_100a's MXFP8 form fixes the tiles and stages (no keys)
+        for k in [k for k in cfg if k.endswith(("_bn", "_stages"))]:
+            del cfg[k]
     if plan.schedule == "fused":  # the fused schedule takes no cluster / consumer / stages keys of its own
         for k in [k for k in cfg if k.endswith(("_cluster", "_consumer", "_stages", "_raster_group"))]:
             del cfg[k]

@@ -213,6 +213,13 @@ def emit(plan: Plan) -> Sources:
     if plan.schedule != "chain" or plan.gemm1.a_load != "tma":
         raise EmitError("plan: an sm_100a plan runs the chain schedule and GEMM 1 on gathered rows (a_load 'tma'; "
                         "mokgen.plan.solve(spec, 'sm_100a') gives that form)")
+    for name in ("gemm1", "gemm2"):   # sm_90a kernel options the tcgen05 GEMMs do not have: refused, not ignored
+        g = getattr(plan, name)
+        got = (g.consumer, g.w_hint, g.a_hint, g.promote, g.epi_store, g.mma_split)
+        if got != ("cooperative", "normal", "normal", "serial", "smem", 1):
+            raise EmitError(f"plan.{name}: the sm_100a GEMMs take one CTA per 128-row tile with no L2 hints, no FP8 "
+                            f"promotion, the epilogue through smem (consumer, w_hint, a_hint, promote, epi_store, "
+                            f"mma_split: got {got}; mokgen.plan.solve(spec, 'sm_100a') gives that form)")
     render = Renderer(plan)
     bw = plan.backward
     render.routing()

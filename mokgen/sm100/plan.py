@@ -12,7 +12,9 @@ GEMM 1's rows pre-gathered (a_load "tma"), run one CTA per 128-row UMMA tile (co
 schedule; their tile N and default stages are solved here with the sm_90a rules and cost model (a bf16 1-CTA ring
 costs the same bytes per stage on both archs). The backward's tiles (N, K step) come from the same rules; its
 sm_90a-only knobs (dgrad1's z through the ring, the ring epilogue) are settled off, and its knobs are not
-overridable yet (issue 20) but for the dgrads' 2-CTA form (``dgrad*_cluster``, below). Every kernel's tile is then checked against the sm_100a budgets, the 512 TMEM columns
+overridable yet (issue 20) but for the dgrads' 2-CTA form (``dgrad*_cluster``, below). The overrides are checked
+against sm_100a's config space first (mokgen/sm100/space.py: the knobs its kernels take): a key of sm_90a's kernels
+is a one-line PlanError naming sm_100a, never accepted and ignored. Every kernel's tile is then checked against the sm_100a budgets, the 512 TMEM columns
 and the CTA's shared memory, by mokgen/sm100/rules.py (check_budgets; sm100/emit.py renders those tiles and asserts
 the same rules): an override that breaks one is a PlanError here, the forward GEMMs' ``gemm*_stages`` bounded by the
 sm_100a ring (the 2-CTA form's CTA holds half of each W box, so more stages fit). Opt-in, BF16: cluster 2
@@ -36,13 +38,12 @@ from ..arch import Arch
 from ..plan_types import (BACKWARD_GEMMS, MAX_STAGES, MIN_STAGES, WGRAD_DTYPE_KEYS, GemmPlan, Plan, PlanError,
                           SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct,
                           _settle_streams, get_arch)
+from ..space import legal_values, override_keys
 from ..spec import Spec
 from . import rules
 
 ARCH = rules.ARCH
 
-TCGEN05_ONLY = {"schedule": "chain", "gemm1_a_load": "tma",
-                 "consumer": "cooperative", "gemm1_consumer": "cooperative", "gemm2_consumer": "cooperative"}
 TCGEN05_CLUSTERS = (1, 2)   # 1: 1-CTA tiles (cta_group 1); 2: the 2-CTA form (cta_group 2)
 TCGEN05_PAIR_BM = 256       # the 2-CTA form's routing tile: one pair tile (2 x 128 rows)
 
@@ -69,6 +70,32 @@ def _clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[int, 
 
 
 DGRAD_CLUSTER_KEYS = ("dgrad1_cluster", "dgrad2_cluster")
+# the overrides whose values the rules below check with a message of their own (the 2-CTA form, the MXFP8 weight
+# gradients)
+_OWN_MESSAGE = ("cluster", "gemm1_cluster", "gemm2_cluster", *DGRAD_CLUSTER_KEYS, *WGRAD_DTYPE_KEYS)
+
+
+def _check_space(arch: str, key: str, value: Any) -> None:
+    """Override `key` = `value` against the arch's config space (mokgen.sm100.space: the knobs its kernels take),
+    else a one-line PlanError: a key of sm_90a's kernels (or none) naming the keys `arch` takes, a value outside the
+    knob's naming its legal ones."""
+    keys = override_keys(arch)
+    if key not in keys:
+        if key.startswith(("dgrad", "wgrad")):
+            why = f"the {arch} backward GEMMs take the default tiles only so far (but dgrad*_cluster)"
+        elif key in override_keys("sm_90a"):
+            why = f"an sm_90a kernel option; the {arch} GEMMs do not take it"
+        else:
+            why = "unknown override"
+        raise PlanError(f"plan.{key}: {why}; allowed on {arch}: {', '.join(keys)}")
+    legal = legal_values(key, arch)
+    if len(legal) == 1 and value != legal[0]:   # the one form its kernels run (schedule, consumers, GEMM 1's A)
+        raise PlanError(f"plan.{key}: the {arch} kernels run {key} {legal[0]!r} only so far, got {value!r}")
+    if key in _OWN_MESSAGE or (value in legal and not isinstance(value, bool)):
+        return
+    ints = all(isinstance(v, int) for v in legal) and list(legal) == list(range(legal[0], legal[-1] + 1))
+    raise PlanError(f"plan.{key}: must be " + (f"in [{legal[0]}, {legal[-1]}]" if ints and len(legal) > 2 else
+                                              f"one of {', '.join(map(str, legal))}") + f" on {arch}, got {value!r}")
 
 
 def _dgrad_clusters(spec: Spec, arch: str, overrides: Mapping[str, Any]) -> dict[str, int]:
@@ -91,14 +118,8 @@ def solve(spec: Spec, arch: str, overrides: Mapping[str, Any], shared: SharedSol
     routing tiles."""
     wgrad_dtypes = {k: overrides[k] for k in WGRAD_DTYPE_KEYS if k in overrides}
     overrides = {k: v for k, v in overrides.items() if k not in wgrad_dtypes}
-    for key, value in overrides.items():
-        if key in TCGEN05_ONLY and value != TCGEN05_ONLY[key]:
-            raise PlanError(f"plan.{key}: the {arch} kernels run {key} {TCGEN05_ONLY[key]!r} only so far, "
-                            f"got {value!r}")
-        if key.startswith(("dgrad", "wgrad")) and key not in DGRAD_CLUSTER_KEYS:
-            raise PlanError(f"plan.{key}: the {arch} backward GEMMs take the default tiles only so far")
-        if key.endswith("promote") or key.endswith("epi_store") or key.endswith("_hint") or key.endswith("z_store"):
-            raise PlanError(f"plan.{key}: an sm_90a kernel option; the {arch} GEMMs do not take it")
+    for key, value in {**overrides, **wgrad_dtypes}.items():   # the knobs its kernels take (mokgen.sm100.space)
+        _check_space(arch, key, value)
     if spec.dtype not in ("bf16", "mxfp8"):
         raise PlanError(f"plan.arch: dtype {spec.dtype} is not planned for {arch} yet (blockwise e4m3 is Hopper's "
                         f"recipe, sm_90a); on {arch} the FP8 format is dtype mxfp8 (e8m0 scales per 32 elements)")
