@@ -119,10 +119,11 @@ def test_grouped_weights_pack_per_expert():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(256, 384, 2), (128, 128, 1), (384, 2048, 3)])
+@pytest.mark.parametrize("shape", [(256, 384, 2), (128, 128, 1), (384, 2048, 3), (320, 192, 3), (2880, 2880, 2)])
 def test_offset_is_the_dsl_layout(shape):
     """mx_sf_offset equals cutlass.utils.blockscaled_layout.tile_atom_to_shape_SF (the layout the GEMM kernels
-    give the scale tensors their TMA reads), evaluated by the CuTe DSL at trace time (static shapes)."""
+    give the scale tensors their TMA reads), evaluated by the CuTe DSL at trace time (static shapes); with rows or
+    K not multiples of 128 (gpt-oss-120b's 2880) each batch spans whole atoms, mx_sf_bytes of them."""
     pytest.importorskip("cutlass")
     import cutlass.cute as cute
     import cutlass.utils.blockscaled_layout as bl
