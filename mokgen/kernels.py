@@ -88,8 +88,9 @@ def _grouped_mx(row: Arg, out: Arg, *extra: Arg, a_doc: str, w: Arg = _W_MX) -> 
             _BIAS, row, _TILE_GROUP, _META,
             _t("sfa", "u8", "sfa_bytes", doc="e8m0 codes of a's 1 x 32 blocks, packed over a's rows (a_rows * K / 32 "
                "bytes)"),
-            _t("sfw", "u8", "GROUPS * PARTS * N_OUT * K_DIM // 32", doc="e8m0 codes of w's 32-blocks along K, packed "
-               "per (group, part) over its N_OUT columns of the output: N_OUT SF rows each"),
+            _t("sfw", "u8", "GROUPS * PARTS * -(-N_OUT // 128) * -(-K_DIM // 128) * 512", doc="e8m0 codes of w's "
+               "32-blocks along K, packed per (group, part) over its N_OUT columns of the output: N_OUT SF rows each, "
+               "in whole 512-byte atoms (128 rows x 4 blocks; the padding codes 127)"),
             out, *extra, _NUM_CTAS)
 
 
@@ -323,8 +324,8 @@ ARGS.update({
     "quant_mx_w": (
         _t("w", "bf16", "GROUPS", "N_ROWS", "K_DIM", doc="[G, N, K] bf16 weights (W1: the spec's gate / up layout)"),
         _t("q", "u8", "GROUPS", "N_ROWS", "K_DIM", written=True, doc="[G, N, K] e4m3 bits (W1: concat row order)"),
-        _t("sf", "u8", "GROUPS * N_ROWS * K_DIM // 32", written=True,
-           doc="e8m0 codes packed over the G * N rows (per group, and per gate / up block of W1: whole atoms)"),
+        _t("sf", "u8", "GROUPS * PARTS * -(-(N_ROWS // PARTS) // 128) * -(-K_DIM // 128) * 512", written=True,
+           doc="e8m0 codes packed per group, and per gate / up block of W1, in whole atoms (the padding codes 127)"),
     ),
     # the backward's weight copies (dgrad1: W2 [G, H, I], dgrad2: W1 [G, 2I, H]): 32-blocks down the columns, the
     # layout kept (the dgrads read them MN-major as (N = C, K = R)); codes packed per group as a [C, R / 32] matrix's
@@ -332,8 +333,9 @@ ARGS.update({
         _t("w", "bf16", "GROUPS", "R_ROWS", "C_COLS", doc="[G, R, C] bf16 weights (W2 [G, H, I] or W1 [G, 2I, H] in "
            "the spec's gate / up layout)"),
         _t("q", "u8", "GROUPS", "R_ROWS", "C_COLS", written=True, doc="[G, R, C] e4m3 bits, w's layout"),
-        _t("sf", "u8", "GROUPS * C_COLS * R_ROWS // 32", written=True,
-           doc="e8m0 codes of the (32 rows, column) blocks, packed per group over the C columns as SF rows (K = R)"),
+        _t("sf", "u8", "GROUPS * -(-C_COLS // 128) * -(-R_ROWS // 128) * 512", written=True,
+           doc="e8m0 codes of the (32 rows, column) blocks, packed per group over the C columns as SF rows (K = R), "
+           "in whole atoms (the padding codes 127)"),
     ),
     # the MXFP8 weight gradients' operands (plan wgrad*_dtype=mxfp8): rows of the padded row space quantized in
     # 32-row blocks down each column (the wgrad's K), kept in their row layout, the codes packed as the [C, rows / 32]

@@ -54,13 +54,18 @@ def _row_offsets(rows: int, kblocks: int, device) -> torch.Tensor:
 
 
 def _write_rows(x: torch.Tensor, q: torch.Tensor, sf: torch.Tensor) -> None:
-    """q[:n], and the codes of rows [0, n) at their SF-atom bytes, of the rows x [n, K] (K % 32 == 0)."""
+    """q[:n], and the codes of rows [0, n) at their SF-atom bytes, of the rows x [n, K] (K % 32 == 0); where K / 32
+    is not a multiple of 4 the rows' codes of the last atom's missing blocks are written as 127 (scale 1), as the
+    kernels write them (the GEMMs read zeros for the data there)."""
     n, K = x.shape
     if n == 0:
         return
     qq, e = fp8.quantize_mx(x)
     q[:n] = _bits(qq)
-    sf[_row_offsets(n, K // MX, sf.device)] = e
+    kb = K // MX
+    whole = -(-kb // fp8.MX_SF_COLS) * fp8.MX_SF_COLS
+    e = torch.cat([e, e.new_full((n, whole - kb), fp8.E8M0_BIAS)], dim=1)
+    sf[_row_offsets(n, whole, sf.device)] = e
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -83,7 +88,8 @@ def ref_quant_mx_used(x, meta, q, sf, *, bm: int) -> None:
 def ref_quant_mx_w(w, q, sf, *, parts: int = 1, interleave: bool = False) -> None:
     """quant_mx_w1 (``parts=2``) / quant_mx_w2 (``parts=1``): w [G, N, K] quantized along K; with ``interleave``
     (W1 in the interleaved gate / up layout) the rows are written in concat order (gate n -> row n, up n -> row
-    N/2 + n). The codes are packed per (group, part): the GEMM's scale view is one batch of N / parts rows each."""
+    N/2 + n). The codes are packed per (group, part): the GEMM's scale view is one batch of N / parts rows each,
+    in whole atoms (:func:`mokgen.fp8.pack_mx_scales`: rows and 32-blocks past the block's filled with 127)."""
     G, N, K = w.shape
     if interleave:
         w = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
@@ -216,10 +222,10 @@ def _launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str, x: t
 
 def quantize_gathered_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, row_src: torch.Tensor,
                            meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x bf16 [T, K] (K % 128 == 0) -> (q uint8 [rows, K] e4m3 bits, sf uint8 packed codes) by ``quant_mx_gather``:
+    """x bf16 [T, K] (K % 32 == 0) -> (q uint8 [rows, K] e4m3 bits, sf uint8 packed codes) by ``quant_mx_gather``:
     q[r] is x[row_src[r]] quantized, for the used rows (meta[0] * BM, read on the device); the other rows and their
     code bytes stay uninitialized. GEMM 1's A (x) and dgrad1's A (dO)."""
-    _check("mx_ops.quantize_gathered_rows", "x", x, 2, {1: 4 * MX})
+    _check("mx_ops.quantize_gathered_rows", "x", x, 2, {1: MX})
     return _launch(fns, "quant_mx_gather", "quant_mx_gather", x, row_src.shape[0], False, row_src=row_src,
                    meta=meta)
 
@@ -228,18 +234,20 @@ def quantize_used_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor, m
                        kernel: str = "quant_mx_used") -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [rows, K] of the padded row space -> (q, sf) of its used rows by ``kernel`` (``quant_mx_used`` for
     h, GEMM 2's A; ``quant_mx_dz`` for dz, dgrad2's A; both the ``quant_mx_used`` table)."""
-    _check("mx_ops.quantize_used_rows", "x", x, 2, {1: 4 * MX})
+    _check("mx_ops.quantize_used_rows", "x", x, 2, {1: MX})
     return _launch(fns, kernel, "quant_mx_used", x, x.shape[0], False, meta=meta)
 
 
 def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kernel: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w bf16 [G, N, K] -> (q uint8 [G, N, K], sf uint8 [G * N * K / 32]) by ``kernel`` (``quant_mx_w1``: W1, rows
-    written in concat order; ``quant_mx_w2``: W2); the forward GEMMs' B."""
-    _check("mx_ops.quantize_w", "w", w, 3, {1: 128, 2: 4 * MX})
+    """w bf16 [G, N, K] -> (q uint8 [G, N, K], sf uint8 [G * parts * mx_sf_bytes(N / parts, K / 32)]) by ``kernel``
+    (``quant_mx_w1``: W1, rows written in concat order, parts 2; ``quant_mx_w2``: W2, parts 1); the forward GEMMs'
+    B, its codes packed per (group, part) in whole atoms."""
+    parts = 2 if kernel == "quant_mx_w1" else 1
+    _check("mx_ops.quantize_w", "w", w, 3, {1: parts * MX, 2: MX})
     G, N, K = w.shape
     q = torch.empty((G, N, K), dtype=torch.uint8, device=w.device)
-    sf = torch.empty((G * N * K // MX,), dtype=torch.uint8, device=w.device)
+    sf = torch.empty((G * parts * fp8.mx_sf_bytes(N // parts, K // MX),), dtype=torch.uint8, device=w.device)
     if G and N and K:
         with _stream(w):
             call(fns, kernel, table="quant_mx_w", w=w, q=q, sf=sf)
@@ -248,12 +256,13 @@ def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kernel: s
 
 def quantize_w_cols(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kernel: str
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w bf16 [G, R, C] -> (q uint8 [G, R, C] in w's layout, sf uint8 [G * C * R / 32]) by ``kernel``
-    (``quant_mx_w2_cols``: W2 for dgrad1; ``quant_mx_w1_cols``: W1 for dgrad2): 32-blocks down w's columns."""
-    _check("mx_ops.quantize_w_cols", "w", w, 3, {1: 4 * MX, 2: 128})
+    """w bf16 [G, R, C] -> (q uint8 [G, R, C] in w's layout, sf uint8 [G * mx_sf_bytes(C, R / 32)]) by ``kernel``
+    (``quant_mx_w2_cols``: W2 for dgrad1; ``quant_mx_w1_cols``: W1 for dgrad2): 32-blocks down w's columns, the
+    codes packed per group in whole atoms."""
+    _check("mx_ops.quantize_w_cols", "w", w, 3, {1: MX, 2: 8})
     G, R, C = w.shape
     q = torch.empty((G, R, C), dtype=torch.uint8, device=w.device)
-    sf = torch.empty((G * C * R // MX,), dtype=torch.uint8, device=w.device)
+    sf = torch.empty((G * fp8.mx_sf_bytes(C, R // MX),), dtype=torch.uint8, device=w.device)
     if G and R and C:
         with _stream(w):
             call(fns, kernel, table="quant_mx_w_cols", w=w, q=q, sf=sf)

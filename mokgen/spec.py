@@ -29,10 +29,12 @@ DTYPES = ("bf16", "fp8", "mxfp8")
 # (tcgen05.mma kind::mxf8f6f4.block_scale), sm_100a only: its specs name archs: [sm_100a]
 RESERVED_DTYPES: tuple[str, ...] = ()
 MXFP8_ARCHS = tuple(a.name for a in ARCHS.values() if a.has_tcgen05)   # the block-scaled tcgen05 MMA
-# the block-scaled GEMMs' K tile is 128 (one 512-byte scale-factor atom: 4 scales of 32 along K for 128 rows,
-# mokgen.fp8.pack_mx_scales) and their weights' scale atoms cover 128 rows of N: hidden and ffn (each a K of one
-# forward GEMM and an N of the other) must be multiples of 128
-MXFP8_DIM = 128
+# dtype mxfp8 keeps bf16's rule too (hidden, ffn multiples of 64, so of the 32-element scale blocks): the
+# block-scaled GEMMs' K tile is 128 (one 512-byte scale-factor atom: 4 scales of 32 along K for 128 rows,
+# mokgen.fp8.pack_mx_scales) and their weights' scale atoms cover 128 rows of N; where hidden or ffn is not a
+# multiple of 128 (gpt-oss-120b's 2880 = 22.5 x 128) the last K tile and the last N tile are partial: the e4m3 data
+# past the end is read as zeros (TMA out of bounds), the scale tensors are padded to whole atoms whose extra codes
+# the quantizers write as 127 (scale 1), and the output's columns past N are not stored (mokgen/sm100/plan.py)
 # dtype fp8 keeps bf16's rule (hidden, ffn multiples of 64): where they are not multiples of the 128-wide
 # quantization blocks (gpt-oss-120b's 2880) the last block along K / N is partial, as if zero-padded (mokgen/fp8.py)
 FP8_ARCHS = ("sm_90a",)
@@ -297,11 +299,6 @@ def _check(spec: Spec) -> None:
         raise _fail("shared_experts", f"must be in [0, {MAX_SHARED_EXPERTS}], got {shared}")
 
     _choice(spec, "dtype", DTYPES)
-    if spec.dtype == "mxfp8":
-        for field in ("hidden", "ffn"):
-            if getattr(spec, field) % MXFP8_DIM:
-                raise _fail(field, f"dtype mxfp8 needs a multiple of {MXFP8_DIM} (the block-scaled GEMMs' K tile and "
-                                   f"the 128-row scale-factor atoms of W), got {getattr(spec, field)}")
     activation = _choice(spec, "activation", ACTIVATIONS)
     _choice(spec, "gate_up_layout", GATE_UP_LAYOUTS)
     if not isinstance(spec.bias, bool):

@@ -3,8 +3,10 @@ interleaved gate / up, ep 4, odd tile counts) and a small-expert layer like qwen
 8), each planned, emitted and compiled for sm_100a (all nineteen kernels of the training entry, the block-scaled
 tcgen05 MMA checked in the PTX as for the other MXFP8 builds: tests/test_mxfp8.py check_mx_ptx), and a small version
 of each run as a training step on the CPU reference kernels against the float64 references. The specs are inline
-(no files under tools/specs or generated/). What mxfp8 refuses (hidden / ffn not multiples of 128, e.g. gpt-oss's
-real 2880) is checked to be a one-line SpecError. Nothing here runs on a GPU."""
+(no files under tools/specs or generated/). What mxfp8 refuses (hidden / ffn not multiples of 64, bf16's rule) is
+checked to be a one-line SpecError; multiples of 64 that are not of 128 (gpt-oss's real 2880) are taken, with
+partial last tiles (tests/test_mx_partial.py; every preset below, gpt-oss-120b included). Nothing here runs on a
+GPU."""
 from __future__ import annotations
 
 import re
@@ -18,8 +20,8 @@ from mokgen.spec import SpecError, load_spec
 from test_sass import needs_sass
 
 MX = {"dtype": "mxfp8", "archs": ["sm_100a"]}
-# gpt-oss's own hidden / ffn (2880) are not multiples of 128, which dtype mxfp8 needs (test_refusals): the nearest
-# multiple above, 2944 = 23 x 128 (an odd count of N and K tiles in every GEMM), with gpt-oss's other features
+# gpt-oss's other features at the multiple of 128 above its 2880 (which the preset tests below take, partial last
+# tiles): 2944 = 23 x 128, an odd count of whole N and K tiles in every GEMM
 GPT_OSS_MX = {"name": "gpt-oss-mx", "hidden": 2944, "ffn": 2944, "experts": 128, "topk": 4, "ep": 4, "tokens": 2048,
               "activation": "swiglu_oai", "bias": True, "gate_up_layout": "interleaved", **MX}
 # qwen3-30b-a3b's experts: hidden 2048, moe ffn 768 (6 tiles of 128 per part), 128 experts, top 8
@@ -38,26 +40,24 @@ def _plan(shape):
 
 
 @pytest.mark.parametrize("changes,field,message", [
-    # gpt-oss-120b / -20b: hidden = ffn = 2880 = 22.5 x 128
-    ({**GPT_OSS_MX, "hidden": 2880, "ffn": 2880}, "hidden", "dtype mxfp8 needs a multiple of 128"),
-    ({**GPT_OSS_MX, "ffn": 2880}, "ffn", "dtype mxfp8 needs a multiple of 128"),
-    # multiples of 32 but not of 64: the K_BLOCK rule of every dtype refuses them first
+    # multiples of 32 (whole scale blocks) but not of 64: the K_BLOCK rule of every dtype refuses them
     ({**QWEN3_MX, "hidden": 1056, "ffn": 800}, "hidden", "must be a positive multiple of 64, got 1056"),
     ({**QWEN3_MX, "ffn": 800}, "ffn", "must be a positive multiple of 64, got 800"),
-    # multiples of 64 but not of 128: mxfp8's rule
-    ({**QWEN3_MX, "hidden": 1088, "ffn": 832}, "hidden", "dtype mxfp8 needs a multiple of 128"),
-    ({**QWEN3_MX, "ffn": 832}, "ffn", "dtype mxfp8 needs a multiple of 128"),
 ])
 def test_refusals(changes, field, message):
     """Shapes dtype mxfp8 does not take are refused when the spec is built, with one line naming the field, the
-    rule and the value (the same shapes in bf16 are taken where they are multiples of 64)."""
+    rule and the value, as bf16 refuses them; multiples of 64 that are not of 128 (gpt-oss's 2880, 1088 / 832) are
+    taken."""
     with pytest.raises(SpecError) as e:
         load_spec(changes)
     text = str(e.value)
     assert "\n" not in text and text.startswith(f"spec.{field}: ") and message in text, text
     assert f"got {changes[field]}" in text
-    if changes["hidden"] % 64 == 0 and changes["ffn"] % 64 == 0:
-        assert load_spec({k: v for k, v in changes.items() if k not in ("dtype", "archs")}).dtype == "bf16"
+    with pytest.raises(SpecError):
+        load_spec({k: v for k, v in changes.items() if k not in ("dtype", "archs")})
+    for taken in ({**GPT_OSS_MX, "hidden": 2880, "ffn": 2880}, {**GPT_OSS_MX, "ffn": 2880},
+                  {**QWEN3_MX, "hidden": 1088, "ffn": 832}, {**QWEN3_MX, "ffn": 832}):
+        assert load_spec(taken).dtype == "mxfp8"
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -255,10 +255,9 @@ def test_training_step_on_reference_kernels(shape, wgrads):
 
 
 # ---- every BF16 preset's shape in MXFP8 (issue 20: "every preset's sm_100a kernels ... MXFP8 forward + backward") --
-# the presets whose hidden and ffn are multiples of 128; gpt-oss-120b's 2880 is not (test_preset_mxfp8_specs)
-MX_PRESETS = ["deepseek-v3", "deepseek-v4-pro", "glm-5", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b",
-              "qwen3.5-397b-a17b"]
-MX_REFUSED = {"gpt-oss-120b": "hidden"}
+# every BF16 preset; gpt-oss-120b's hidden = ffn = 2880 (not a multiple of 128) with partial last K / N tiles
+MX_PRESETS = ["deepseek-v3", "deepseek-v4-pro", "glm-5", "gpt-oss-120b", "kimi-k2", "qwen3-235b-a22b",
+              "qwen3-30b-a3b", "qwen3.5-397b-a17b"]
 
 
 def _preset_mx(name: str) -> dict:
@@ -267,20 +266,17 @@ def _preset_mx(name: str) -> dict:
 
 
 def test_preset_mxfp8_specs():
-    """Every BF16 preset (tests/test_sm100.py's list) is either taken in MXFP8 or refused with mxfp8's one-line
-    SpecError naming the field, the rule and the value."""
+    """Every BF16 preset (tests/test_sm100.py's list) is taken in MXFP8, gpt-oss-120b's 2880 included."""
     from test_sm100 import BF16_PRESETS
 
-    assert sorted(MX_PRESETS + list(MX_REFUSED)) == sorted(BF16_PRESETS)
+    assert sorted(MX_PRESETS) == sorted(BF16_PRESETS)
+    odd = []
     for name in MX_PRESETS:
         spec = load_spec(_preset_mx(name))
-        assert spec.dtype == "mxfp8" and spec.hidden % 128 == 0 and spec.ffn % 128 == 0, name
-    for name, field in MX_REFUSED.items():
-        with pytest.raises(SpecError) as e:
-            load_spec(_preset_mx(name))
-        text, value = str(e.value), getattr(load_spec(name), field)
-        assert "\n" not in text and text.startswith(f"spec.{field}: "), text
-        assert "dtype mxfp8 needs a multiple of 128" in text and text.endswith(f"got {value}") and value % 128, text
+        assert spec.dtype == "mxfp8" and spec.hidden % 64 == 0 and spec.ffn % 64 == 0, name
+        if spec.hidden % 128 or spec.ffn % 128:
+            odd.append(name)
+    assert odd == ["gpt-oss-120b"]
 
 
 @pytest.fixture(scope="module", params=MX_PRESETS)

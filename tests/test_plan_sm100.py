@@ -18,7 +18,7 @@ from mokgen.emit import EmitError, emit
 from mokgen.sm100.emit import grouped_params, wgrad_params
 from mokgen.plan import PlanError, explain, solve
 from mokgen.sm100.plan import MX_BK, check_budgets
-from mokgen.spec import SpecError, list_presets, load_spec
+from mokgen.spec import list_presets, load_spec
 
 ARCH = "sm_100a"
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,11 +32,6 @@ def _spec(name: str, dtype: str):
     if dtype == "bf16":
         return load_spec({**d, "dtype": "bf16"})
     return load_spec({**d, "name": f"{d['name']}-mxfp8", "dtype": "mxfp8", "archs": [ARCH]})
-
-
-def _mx_admitted(name: str) -> bool:
-    s = load_spec(name)
-    return s.hidden % 128 == 0 and s.ffn % 128 == 0
 
 
 def _one_line_plan_error(key: str, **overrides) -> str:
@@ -57,10 +52,6 @@ def _cases():
 def test_every_preset_within_the_sm100a_budgets(name, dtype):
     """Every GEMM kernel of the preset's sm_100a plan (forward, gemm1_train, dgrads, weight gradients) within TMEM
     and shared memory, its tile dividing its problem; the forward GEMMs' rings as deep as fit."""
-    if dtype == "mxfp8" and not _mx_admitted(name):
-        with pytest.raises(SpecError, match="dtype mxfp8 needs a multiple of 128"):
-            _spec(name, dtype)
-        return
     spec = _spec(name, dtype)
     plan = solve(spec, ARCH)
     mx = dtype == "mxfp8"
@@ -75,12 +66,18 @@ def test_every_preset_within_the_sm100a_budgets(name, dtype):
         assert t.bn % t.epi_n == 0 and t.bk % R.UMMA_K == 0, (kname, t)
         if t.mx:
             assert (t.bn, t.bk) == (128, MX_BK)
-    # the tiles divide: K by the K step, GEMM 1 / dgrad1 (SwiGLU epilogues) N by whole tiles; routing tiles of
-    # whole UMMA tiles; the weight gradients' K step divides every group's start (the routing tile)
+    # the tiles divide: K by the K step, GEMM 1 / dgrad1 (SwiGLU epilogues) N by whole tiles (MXFP8, whose tiles
+    # are fixed at 128: K by the 32-element scale blocks, N by the 32-column epilogue slices, the last K / N tile
+    # partial where hidden / ffn is not a multiple of 128: gpt-oss-120b's 2880); routing tiles of whole UMMA tiles;
+    # the weight gradients' K step divides every group's start (the routing tile)
     k_of = {"gemm1": H, "gemm2": I, "dgrad1": H, "dgrad2": 2 * I}
     for kname, k in k_of.items():
-        assert k % tiles[kname].bk == 0, kname
-    assert I % tiles["gemm1"].bn == 0 and I % tiles["dgrad1"].bn == 0
+        assert k % (32 if tiles[kname].mx else tiles[kname].bk) == 0, kname
+        g = getattr(plan, kname) if kname.startswith("gemm") else getattr(plan.backward, kname)
+        assert g.k_tiles == -(-k // tiles[kname].bk), kname
+    for kname in ("gemm1", "dgrad1"):
+        t = tiles[kname]
+        assert I % (t.epi_n if t.mx else t.bn) == 0, kname
     assert plan.bm % R.UMMA_M == 0
     for kname in ("wgrad1", "wgrad2"):
         assert plan.bm % tiles[kname].bk == 0
@@ -117,11 +114,10 @@ def test_bad_overrides_are_refused_in_one_line(name):
     assert refused >= 2   # every preset has a GEMM whose ring can be overfilled
     msg = _one_line_plan_error("gemm2_stages", _spec=spec, gemm2_stages=8)
     assert "must be in [3, 7]" in msg
-    if _mx_admitted(name):
-        mx = _spec(name, "mxfp8")
-        for key, value, say in (("gemm2_stages", 7, "take their fixed tiles"), ("gemm1_stages", 3, "fixed tiles"),
-                                ("cluster", 2, "BF16 only so far")):
-            assert say in _one_line_plan_error(key, _spec=mx, **{key: value})
+    mx = _spec(name, "mxfp8")   # every preset is taken in MXFP8 (gpt-oss-120b's 2880 with partial last tiles)
+    for key, value, say in (("gemm2_stages", 7, "take their fixed tiles"), ("gemm1_stages", 3, "fixed tiles"),
+                            ("cluster", 2, "BF16 only so far")):
+        assert say in _one_line_plan_error(key, _spec=mx, **{key: value})
 
 
 def test_tmem_overflow_is_refused_by_plan_and_emit_alike():
@@ -179,8 +175,7 @@ def _declared(src: str) -> dict:
 def _agreement_cases():
     for name in PRESETS:
         yield name, "bf16", {}
-        if _mx_admitted(name):
-            yield name, "mxfp8", {}
+        yield name, "mxfp8", {}
     yield "kimi-k2", "bf16", {"cluster": 2}
     yield "kimi-k2", "bf16", {"cluster": 2, "gemm2_stages": 6}   # the pair's ring: 6 fit, 4 for a 1-CTA tile
     yield "gpt-oss-120b", "bf16", {"gemm2_cluster": 2}

@@ -107,8 +107,9 @@ BAD = [
     ({"shared_experts": -1}, "spec.shared_experts", "[0, 4]"),
     ({"dtype": "mxfp8"}, "spec.archs[0]", "dtype mxfp8 (e4m3 with e8m0 scales per 32 elements, Blackwell's "
      "block-scaled MMA) targets sm_100a, got 'sm_90a'"),
-    ({"dtype": "mxfp8", "archs": ["sm_100a"], "hidden": 320}, "spec.hidden", "dtype mxfp8 needs a multiple of 128"),
-    ({"dtype": "mxfp8", "archs": ["sm_100a"], "ffn": 192}, "spec.ffn", "dtype mxfp8 needs a multiple of 128"),
+    # mxfp8 keeps bf16's rule too (multiples of 64: 320 and 192, not multiples of 128, are taken: partial tiles)
+    ({"dtype": "mxfp8", "archs": ["sm_100a"], "hidden": 288}, "spec.hidden", "positive multiple of 64"),
+    ({"dtype": "mxfp8", "archs": ["sm_100a"], "ffn": 160}, "spec.ffn", "positive multiple of 64"),
     ({"dtype": "fp8", "hidden": 200}, "spec.hidden", "positive multiple of 64"),   # fp8 keeps bf16's rule
     ({"dtype": "fp8", "archs": ["sm_90a", "sm_100a"]}, "spec.archs[1]", "targets sm_90a"),
     ({"dtype": "fp16"}, "spec.dtype", "bf16"),

@@ -26,7 +26,7 @@ ARCH = "sm_90a"
 OTHER_ARCHS = ("sm_100a",)
 # spec files (not presets) whose sources are golden too, per arch: generated/<arch>/<spec name>/ (MXFP8 is
 # sm_100a-only, so no preset carries it)
-EXTRA_SPECS = {"sm_100a": ("tools/specs/kimi-k2-mxfp8.yaml",)}
+EXTRA_SPECS = {"sm_100a": ("tools/specs/kimi-k2-mxfp8.yaml", "tools/specs/gpt-oss-120b-mxfp8.yaml")}
 
 
 def expected() -> dict[str, dict[str, str]]:

@@ -18,7 +18,7 @@ from typing import Any
 from .. import kernels
 from ..emit_base import EmitError, Renderer, Sources, _activation, _environment, _header, _w1_strides, template_hash
 from ..plan_types import Plan
-from .rules import ARCH, ACC_STAGES, PAIR_M, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
+from .rules import ARCH, ACC_STAGES, PAIR_M, SF_VEC, UMMA_M, WGRAD_EPI, Tile, kernel_tiles, smem_limit
 
 TEMPLATE = "sm100/grouped_gemm.py.j2"
 # UMMA_M, PAIR_M, ACC_STAGES, TMEM_COLUMNS, BARRIER_BYTES and the tile budgets: mokgen/sm100/rules.py (the plan's
@@ -80,12 +80,20 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
     if pair and plan.bm != PAIR_M:
         raise EmitError(f"plan.bm: the 2-CTA form (cluster 2) needs {PAIR_M}-row routing tiles (a pair's rows in one "
                         f"group), got {plan.bm}")
-    if k_dim % g.bk or g.bk % 16:
-        raise EmitError(f"{what}.bk: {g.bk} must divide K={k_dim} and be a multiple of the UMMA K (16)")
+    # MXFP8: K a multiple of the 32-element scale blocks suffices (hidden / ffn 2880: the last K tile partial, its
+    # e4m3 data past K read as zeros by TMA, the scale atoms padded with code 127 by the quantizers)
+    if (k_dim % SF_VEC if mx else k_dim % g.bk) or g.bk % 16:
+        raise EmitError(f"{what}.bk: {g.bk} must " + (f"be a multiple of the UMMA K (16), K={k_dim} one of the "
+                        f"{SF_VEC}-element scale blocks" if mx else f"divide K={k_dim} and be a multiple of the "
+                        f"UMMA K (16)"))
     if bn % g.epi_n:
         raise EmitError(f"{what}.epi_n: {g.epi_n} does not divide the tile's {bn} columns")
-    if which in (1, "dgrad1") and n_out % bn:
-        raise EmitError(f"{what}.bn: the SwiGLU epilogue needs whole N tiles, {bn} per part does not divide ffn {I}")
+    # the SwiGLU epilogues (GEMM 1, dgrad1) address z, dz and the bias by column: a partial last N tile (MXFP8's
+    # 128 columns per part over ffn 2880) skips its slices past N_OUT, so N_OUT must hold whole slices
+    n_partial = which in (1, "dgrad1") and n_out % bn != 0
+    if n_partial and not (mx and n_out % g.epi_n == 0):
+        raise EmitError(f"{what}.bn: the SwiGLU epilogue needs whole N tiles" + (f" or whole {g.epi_n}-column "
+                        f"slices" if mx else "") + f", {bn} per part does not divide ffn {I}")
     k_stride, b_mn = 1, False
     if which == 1:
         # MXFP8: quant_mx_w1 writes the e4m3 W1 in concat order (gate rows, then up rows) whatever the spec's
@@ -140,7 +148,8 @@ def grouped_params(plan: Plan, which: int = 2, *, bn: int | None = None, stages:
         epi_stages=g.epi_stages,
         raster=max(1, g.raster_group * (plan.bm // (PAIR_M if pair else UMMA_M))),
         n_tiles=-(-n_out // bn),
-        k_tiles=k_dim // g.bk,
+        n_partial=n_partial,
+        k_tiles=-(-k_dim // g.bk),
         clc=CLC,
     )
 
@@ -352,17 +361,25 @@ def quant_mx_params(plan: Plan, name: str) -> dict[str, Any]:
     k_dim = {"quant_mx_gather": H, "quant_mx_used": I, "quant_mx_w1": H, "quant_mx_w2": I, "quant_mx_dz": 2 * I,
              "quant_mx_w2_cols": H, "quant_mx_w1_cols": 2 * I, "quant_mx_cols_gather": H, "quant_mx_sa_cols": I,
              "quant_mx_dz_cols": 2 * I}[name]
-    if k_dim % 128:
-        raise EmitError(f"render_quant_mx: K = {k_dim} is not a multiple of 128 (spec: mxfp8 needs it)")
     # the column form: w [G, R_ROWS, C_COLS] with R_ROWS the dgrad's K (= k_dim), C_COLS its N
     # the row-space column forms: x [rows | T, C_COLS], C_COLS = k_dim (the wgrad's M or N; K is the rows)
     c_cols = {"quant_mx_w2_cols": I, "quant_mx_w1_cols": H}.get(name, k_dim if form.startswith("rows_") else 0)
-    if form in ("cols", "rows_gather", "rows_used") and c_cols % 128:
-        raise EmitError(f"render_quant_mx: {name}'s {c_cols} columns are not a multiple of 128 (spec: mxfp8 needs it)")
+    if form.startswith("rows_") and c_cols % 128:
+        raise EmitError(f"render_quant_mx: {name}'s {c_cols} columns are not a multiple of 128 (the MXFP8 weight "
+                        f"gradients need whole scale atoms: plan wgrad*_dtype=mxfp8 refuses it)")
+    # hidden / ffn multiples of 64 but not of 128 (gpt-oss-120b's 2880): a row's last 128-element tile (k_pad), a
+    # (group, part) block's last 128 rows of W (n_pad), the column form's last 128 columns (c_pad) are partial; the
+    # kernels pad the scale atoms there with code 127
+    parts = 2 if name == "quant_mx_w1" else 1
+    n_rows = 2 * I if name == "quant_mx_w1" else H
+    if k_dim % SF_VEC or (form == "w" and n_rows // parts % 64) or (form == "cols" and c_cols % 64):
+        raise EmitError(f"render_quant_mx: {name} needs K = {k_dim} a multiple of {SF_VEC} and its weight rows or "
+                        f"columns multiples of 64 (spec: hidden and ffn multiples of 64)")
     return dict(args=kernels.ARGS[table], symbols=kernels.SYMBOLS[table], form=form, k_dim=k_dim, bm=plan.bm,
-                threads=256, groups=spec.groups, n_rows=2 * I if name == "quant_mx_w1" else H,
-                parts=2 if name == "quant_mx_w1" else 1, r_rows=k_dim, c_cols=c_cols,
-                interleave=name == "quant_mx_w1" and spec.gate_up_layout == "interleaved")
+                threads=256, groups=spec.groups, n_rows=n_rows, parts=parts, r_rows=k_dim, c_cols=c_cols,
+                interleave=name == "quant_mx_w1" and spec.gate_up_layout == "interleaved",
+                k_pad=k_dim % 128 != 0, n_pad=form == "w" and n_rows // parts % 128 != 0,
+                c_pad=form == "cols" and c_cols % 128 != 0)
 
 
 def render_quant_mx(plan: Plan, name: str) -> str:

@@ -215,6 +215,11 @@ def check_budgets(plan: Plan, overrides: Mapping[str, Any]) -> None:
 # gate and up, bn 256 in the plan's count). Training: the dgrads in the same form (tile N 128, K tile 128, their
 # W copies read MN-major with scales along K), the weight gradients BF16 from the bf16 tensors (the sm_100a wgrads).
 MX_BK = 128
+# hidden / ffn not a multiple of MX_BK (gpt-oss-120b's 2880; the spec takes multiples of 64, whole 32-element scale
+# blocks): each GEMM whose K or N it is has a partial last tile
+MX_PARTIAL = ("the last K / N tile partial: the e4m3 data past the end read as zeros (TMA out of bounds), the scale "
+              "tensors padded to whole 128-row x 4-block atoms (their extra codes written as 127 by the quantizers), "
+              "the columns past N not stored")
 MX_BN = {1: 256, 2: 128}   # plan.gemm*.bn (GEMM 1 counts gate + up)
 MX_SF_STAGE = 512          # bytes of one 128-row x 4-scale SF atom (one K step of 128 rows)
 MX_MAX_STAGES = 16
@@ -229,11 +234,12 @@ def tcgen05_mx_smem(parts: int, bn: int, bk: int, stages: int, epi_n: int, epi_s
 
 def _mx_gemm(a: Arch, g: GemmPlan, parts: int, bn: int, n_out: int, k_dim: int) -> GemmPlan:
     """GEMM plan `g` in the MXFP8 form: e4m3 (elem_bytes 1), tile N `bn` (counting every part), K tile MX_BK, as
-    many stages as fit the shared memory with their scale atoms (mokgen.sm100.rules), at most MX_MAX_STAGES."""
+    many stages as fit the shared memory with their scale atoms (mokgen.sm100.rules), at most MX_MAX_STAGES. Where
+    `k_dim` (or `n_out`) is not a multiple of 128 the last K (N) tile is partial (:data:`MX_PARTIAL`)."""
     tile = rules.Tile(parts, bn // parts, MX_BK, 0, g.epi_n, g.epi_stages, mx=True)
     return dataclasses.replace(g, bn=bn, bk=MX_BK, elem_bytes=1,
                                stages=tile.stages_fit(a.smem_per_cta, most=MX_MAX_STAGES),
-                               n_tiles=-(-n_out // (bn // parts)), k_tiles=k_dim // MX_BK)
+                               n_tiles=-(-n_out // (bn // parts)), k_tiles=-(-k_dim // MX_BK))
 
 
 def _mxfp8_form(plan: Plan) -> Plan:
@@ -252,7 +258,11 @@ def _mxfp8_form(plan: Plan) -> Plan:
     note = (f"mxfp8: e4m3 GEMMs with e8m0 scales per 32 along K on the block-scaled tcgen05 MMA, K tile {MX_BK}, "
             f"tile N {MX_BN[1] // 2} per part (GEMM 1) / {MX_BN[2]} (GEMM 2, dgrad1, dgrad2: W read MN-major by the "
             f"dgrads); the weight gradients BF16 from the bf16 tensors")
-    return dataclasses.replace(plan, backward=backward, notes=plan.notes + (note,), **gemms)
+    notes = (note,)
+    odd = [f"{n} {v} = {v // MX_BK} x {MX_BK} + {v % MX_BK}" for n, v in (("hidden", H), ("ffn", I)) if v % MX_BK]
+    if odd:
+        notes += (f"mxfp8: {', '.join(odd)}: {MX_PARTIAL}",)
+    return dataclasses.replace(plan, backward=backward, notes=plan.notes + notes, **gemms)
 
 
 # MXFP8 weight gradients on tcgen05 (plan ``wgrad1_dtype`` / ``wgrad2_dtype`` = "mxfp8", dtype mxfp8 specs; opt-in:
@@ -288,6 +298,11 @@ def _mx_wgrads(plan: Plan, wgrad_dtypes: Mapping[str, Any]) -> Plan:
         if plan.bm % MX_BK:
             raise PlanError(f"plan.{key}: MXFP8 weight gradients step K by {MX_BK} rows inside a routing tile, got "
                             f"routing tiles of {plan.bm} rows")
+        odd = [f"{n} {v}" for n, v in (("hidden", spec.hidden), ("ffn", spec.ffn)) if v % MX_BK]
+        if odd:
+            raise PlanError(f"plan.{key}: MXFP8 weight gradients need hidden and ffn multiples of {MX_BK} (their "
+                            f"column quantizers and tiles cover whole 128-column scale atoms; not built for partial "
+                            f"ones yet), got {', '.join(odd)}; the default BF16 weight gradients take it")
         g = getattr(plan.backward, name)
         m_out, n_out = (2 * spec.ffn, spec.hidden) if name == "wgrad1" else (spec.hidden, spec.ffn)
         tile = rules.Tile(1, MX_WGRAD_BN, MX_BK, 0, *rules.WGRAD_EPI, mx=True)
