@@ -180,14 +180,6 @@ def _check_backward_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list
     return out
 
 
-def _mx_partial_n(plan: Any, g: Any) -> bool:
-    """Does the SwiGLU epilogue of GEMM `g` (GEMM 1, dgrad1) take a partial last N tile? The sm_100a MXFP8 GEMMs do
-    (their tile N is fixed at 128 per part: ffn 2880 leaves 64 columns), slice by slice: ffn must hold whole
-    epilogue slices (mokgen/sm100/emit.py)."""
-    return (P.get_arch(plan.arch).has_tcgen05 and plan.spec.dtype == "mxfp8" and g.elem_bytes == 1
-            and plan.spec.ffn % g.epi_n == 0)
-
-
 def check_plan(plan: Any) -> list[str]:
     """The constraints on a solved :class:`mokgen.plan.Plan` (empty: it satisfies them all): every knob's value in
     the table, tile N divisibility, the stage ring + epilogue buffers + barriers within the CTA's shared memory
@@ -215,7 +207,7 @@ def check_plan(plan: Any) -> list[str]:
         if which == 1:
             if g.a_load not in sp_.values("a_load", "gemm1"):
                 out.append(f"gemm1.a_load {g.a_load!r} not in the space")
-            if spec.ffn % (g.bn // 2) and not _mx_partial_n(plan, g):
+            if spec.ffn % (g.bn // 2):
                 out.append(f"gemm1.bn {g.bn}: ffn {spec.ffn} % {g.bn // 2} != 0")
         elif g.a_load != "tma":
             out.append(f"gemm2.a_load {g.a_load!r}: GEMM 2 reads h by TMA")
@@ -296,7 +288,7 @@ def _check_backward_plan(plan: Any) -> list[str]:
             if g.raster_group not in sp_.values("raster_group", name):
                 out.append(f"{where}.raster_group {g.raster_group} not in the space")
     d1 = plan.backward.dgrad1
-    if spec.ffn % d1.bn and not _mx_partial_n(plan, d1):
+    if spec.ffn % d1.bn:
         out.append(f"backward.dgrad1.bn {d1.bn}: ffn {spec.ffn} % {d1.bn} != 0 (the dSwiGLU epilogue)")
     if d1.z_chunk not in sp_.values("z_chunk", "dgrad1") or (d1.bn // 4) % d1.z_chunk:
         out.append(f"backward.dgrad1.z_chunk {d1.z_chunk} not in the space or not dividing bn/4 = {d1.bn // 4}")

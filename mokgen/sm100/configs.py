@@ -58,9 +58,9 @@ def check_plan(plan: Any) -> list[str]:
             out.append(f"{name}.a_load {g.a_load!r}: the {plan.arch} GEMMs read A by TMA tiles")
         out += _sm90_only(name, g)
         n, k = P._gemm_shape(spec, which)
-        if which == 1 and spec.ffn % (g.bn // 2):   # the SwiGLU epilogue: whole tiles of gate and up columns
+        if which == 1 and spec.ffn % (g.bn // 2) and not _mx_partial_n(plan, g):   # the SwiGLU epilogue's tiles
             out.append(f"gemm1.bn {g.bn}: ffn {spec.ffn} % {g.bn // 2} != 0")
-        if k % g.bk or g.k_tiles != k // g.bk or g.n_tiles != -(-n // g.bn):
+        if not _k_tiles_ok(g, k) or g.n_tiles != -(-n // g.bn):
             out.append(f"{name}: k_tiles/n_tiles do not match N {n}, K {k}")
         if g.cluster == 2 and not pair_bm:
             out.append(f"{name}.cluster 2: the 2-CTA form needs {TCGEN05_PAIR_BM}-row routing tiles, got {plan.bm}")
@@ -71,6 +71,18 @@ def check_plan(plan: Any) -> list[str]:
     out += [f"{name}.{field}: {why}" for name, t in rules.kernel_tiles(plan).items()
             for field, why in t.problems(P.get_arch(plan.arch).smem_per_cta)]
     return out
+
+
+def _mx_partial_n(plan: Any, g: Any) -> bool:
+    """Does the SwiGLU epilogue of GEMM `g` (GEMM 1, dgrad1) take a partial last N tile? The MXFP8 GEMMs do (their
+    tile N is fixed at 128 per part: ffn 2880 leaves 64 columns), slice by slice: ffn must hold whole epilogue
+    slices (mokgen/sm100/emit.py)."""
+    return plan.spec.dtype == "mxfp8" and g.elem_bytes == 1 and plan.spec.ffn % g.epi_n == 0
+
+
+def _k_tiles_ok(g: Any, k: int) -> bool:
+    """The MXFP8 GEMMs take a partial last K tile (TMA zero fill, whole scale atoms); the BF16 ones whole tiles."""
+    return g.k_tiles == -(-k // g.bk) if g.elem_bytes == 1 else (k % g.bk == 0 and g.k_tiles == k // g.bk)
 
 
 def _sm90_only(where: str, g: Any) -> list[str]:
@@ -94,7 +106,7 @@ def _check_backward(plan: Any) -> list[str]:
             out.append(f"{where}: {g.consumer} tiles, a_load {g.a_load!r}: the {plan.arch} kernels run one CTA per "
                        f"128-row tile reading A by TMA")
         out += _sm90_only(where, g)
-        if g.n_tiles != -(-n // g.bn) or (k is not None and (k % g.bk or g.k_tiles != k // g.bk)):
+        if g.n_tiles != -(-n // g.bn) or (k is not None and not _k_tiles_ok(g, k)):
             out.append(f"{where}: k_tiles/n_tiles do not match N {n}, K {k}")
         if k is not None:   # a dgrad: the 2-CTA form its own opt-in, on 256-row routing tiles
             if g.cluster not in sp_.values("cluster", name):
@@ -112,6 +124,6 @@ def _check_backward(plan: Any) -> list[str]:
                            f"{spec.dtype}")
             elif g.elem_bytes == 1 and plan.bm % g.bk:
                 out.append(f"{where}: K step {g.bk} does not divide the routing tile {plan.bm}")
-    if spec.ffn % bw.dgrad1.bn:
+    if spec.ffn % bw.dgrad1.bn and not _mx_partial_n(plan, bw.dgrad1):
         out.append(f"backward.dgrad1.bn {bw.dgrad1.bn}: ffn {spec.ffn} % {bw.dgrad1.bn} != 0 (the dSwiGLU epilogue)")
     return out
