@@ -317,7 +317,9 @@ class SymmTransport(Transport):
             numel *= s
         t = self._symm.empty(max(numel, 1), dtype=dtype, device=self.device)
         h = self._symm.rendezvous(t, self.group)
-        if getattr(h, "has_multicast_support", lambda: False)():
+        # multicast_ptr: the handle's NVLink multicast address, 0 when none was set up (has_multicast_support is
+        # torch's static query of a device, (device type, index) -> bool, not the handle's state)
+        if int(getattr(h, "multicast_ptr", 0) or 0):
             raise RuntimeError("mokgen ep: symmetric memory set up NVLink multicast; it must stay off "
                                "(TORCH_SYMM_MEM_DISABLE_MULTICAST=1 before the first rendezvous)")
         self._handles[name] = h

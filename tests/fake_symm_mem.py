@@ -74,8 +74,11 @@ class _Handle:
     def buffer_ptrs(self) -> list[int]:
         return [b.data_ptr() for b in self._blocks]
 
-    def has_multicast_support(self) -> bool:
+    @staticmethod
+    def has_multicast_support(device_type, device_index) -> bool:   # torch's: a device query, not the handle's state
         return False
+
+    multicast_ptr = 0   # no NVLink multicast set up (the handle attribute SymmTransport checks)
 
     def get_buffer(self, rank, sizes, dtype, storage_offset=0) -> torch.Tensor:
         el = torch.empty((), dtype=dtype).element_size()

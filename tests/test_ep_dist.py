@@ -297,6 +297,28 @@ def test_transport_rejects_a_group_of_another_size():
         ep_dist.EPRank(layer, tp)
 
 
+def test_symm_transport_refuses_a_multicast_handle():
+    """A rendezvous handle with an NVLink multicast address (torch's ``multicast_ptr``, 0 when none) is refused: the
+    transport needs multicast off. ``has_multicast_support`` is torch's static device query (it took the handle's
+    place here until a GPU run showed it raising TypeError: tests/test_gpu_ep_dist.py's one-GPU symmetric case)."""
+    def transport(mc_ptr):
+        buf = torch.zeros(4, dtype=torch.int32)
+        handle = SimpleNamespace(multicast_ptr=mc_ptr, offset=0, has_multicast_support=fake_symm_mem_static,
+                                 buffer_ptrs=[buf.data_ptr()], get_buffer=lambda rank, sizes, dtype, off: buf)
+        symm = SimpleNamespace(empty=lambda n, dtype, device: buf, rendezvous=lambda t, group: handle)
+        tp = object.__new__(ep_dist.SymmTransport)
+        tp._symm, tp.group, tp.rank, tp.world, tp.device, tp._handles = symm, None, 0, 1, torch.device("cpu"), {}
+        return tp
+
+    with pytest.raises(RuntimeError, match="symmetric memory set up NVLink multicast; it must stay off"):
+        transport(0x7f0000000000)._map("x", (4,), torch.int32)
+    assert len(transport(0)._map("x", (4,), torch.int32)) == 1
+
+
+def fake_symm_mem_static(device_type, device_index):   # torch's signature: (device type, index) -> bool
+    return True
+
+
 def test_buffers_hold_the_worst_case():
     """The buffers of ep_buffers: every rank's slots routed to one rank fit the row space; sizes from T_max."""
     spec = _spec(ep=3, experts=6, topk=4, shared_experts=1)
