@@ -291,27 +291,27 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
 # the FP8 quantization kernels: template, title, template parameters (every size is symbolic: nothing from the plan)
 FP8_QUANT = {
     "quant_rows": ("sm90/quant_rows.py.j2", "FP8 quantization of rows: 1x128 tiles (x, h, dO)",
-                   dict(threads=256, tiles=1, bounded=False, gather=False)),
+                   dict(threads=256, bounded=False, gather=False)),
     "quant_rows_used": ("sm90/quant_rows.py.j2", "FP8 quantization of the used rows of the padded row space "
-                        "(meta[0] * BM): 1x128 tiles (h)", dict(threads=256, tiles=1, bounded=True, gather=False)),
+                        "(meta[0] * BM): 1x128 tiles (h)", dict(threads=256, bounded=True, gather=False)),
     "quant_rows_gather": ("sm90/quant_rows.py.j2", "FP8 quantization of gathered token rows (x[row_src[r]] for the "
-                          "used rows): GEMM 1's A operand", dict(threads=256, tiles=1, bounded=False, gather=True)),
+                          "used rows): GEMM 1's A operand", dict(threads=256, bounded=False, gather=True)),
     "quant_w": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks", dict(transpose=False)),
     "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
                  dict(transpose=True)),
     "quant_cols": ("sm90/quant_cols.py.j2", "FP8 quantization of columns: 128x1 tiles, transposed out (wgrad)",
-                   dict(bounded=False, gather=False, rows_too=False, ctas=0)),
+                   dict(bounded=False, gather=False, rows_too=False)),
     "quant_cols_used": ("sm90/quant_cols.py.j2", "FP8 quantization of the used rows' columns (meta[0] * BM): "
-                        "128x1 tiles, transposed out (the wgrads' s a)", dict(bounded=True, gather=False, rows_too=False, ctas=0)),
+                        "128x1 tiles, transposed out (the wgrads' s a)", dict(bounded=True, gather=False, rows_too=False)),
     "quant_cols_gather": ("sm90/quant_cols.py.j2", "FP8 quantization of gathered token rows' columns (x[row_src[r]] "
                           "for the used rows): 128x1 tiles, transposed out (the wgrads' x, dO rows)",
-                          dict(bounded=False, gather=True, rows_too=False, ctas=0)),
+                          dict(bounded=False, gather=True, rows_too=False)),
     "quant_both_used": ("sm90/quant_cols.py.j2", "FP8 quantization of the used rows (meta[0] * BM) along both dims "
                         "from one read: 1x128 row tiles and 128x1 column tiles, transposed (dz: dgrad2's and "
-                        "wgrad1's operands)", dict(bounded=True, gather=False, rows_too=True, ctas=0)),
+                        "wgrad1's operands)", dict(bounded=True, gather=False, rows_too=True)),
     "quant_both_gather": ("sm90/quant_cols.py.j2", "FP8 quantization of gathered token rows along both dims from one "
                           "read: 1x128 row tiles and 128x1 column tiles, transposed (dO: dgrad1's and wgrad2's "
-                          "operands)", dict(bounded=False, gather=True, rows_too=True, ctas=0)),
+                          "operands)", dict(bounded=False, gather=True, rows_too=True)),
 }
 
 
@@ -323,32 +323,19 @@ def fp8_quant_kernels(plan: Plan) -> tuple[str, ...]:
     return kernels.FP8_LAYER_KERNELS + (kernels.FP8_WGRAD_KERNELS if wgrad8 else ())
 
 
-# the quantizers' form parameters (FP8_QUANT's defaults) that emit_fp8_quant's ``form`` may set: quant_rows*'s
-# 1x128 tiles per lane group (tiles) and quant_cols* / quant_both*'s persistent CTA count (ctas, 0: one CTA per
-# 128x128 block)
-FP8_QUANT_FORM = ("tiles", "ctas")
-
-
 def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: jinja2.Environment | None = None,
-                   thash: str | None = None, form: dict[str, int] | None = None) -> dict[str, str]:
+                   thash: str | None = None) -> dict[str, str]:
     """{file name: source} of the FP8 quantization kernels (``kernels_``: a subset of :data:`FP8_QUANT`, default
     all) for ``plan``'s spec: templates/sm90/quant_*.py.j2, signatures from the argument table. :func:`emit`
     includes them when ``plan.spec.dtype == "fp8"``; the FP8 GEMM emit can call this directly. The kernels take
-    every size at run time, so only the header depends on the plan. ``form``: other values of the
-    :data:`FP8_QUANT_FORM` parameters (each kernel takes those its template has), for tests and
-    tools/quant_bench.py."""
+    every size at run time, so only the header depends on the plan."""
     env = env or _environment()
     thash = thash or template_hash()
-    form = dict(form or {})
-    unknown = sorted(set(form) - set(FP8_QUANT_FORM))
-    if unknown:
-        raise EmitError(f"emit_fp8_quant: unknown form parameters {unknown}; known {list(FP8_QUANT_FORM)}")
     out: dict[str, str] = {}
     for name in kernels_ or tuple(FP8_QUANT):
         if name not in FP8_QUANT:
             raise EmitError(f"emit_fp8_quant: unknown kernel {name!r}; known {list(FP8_QUANT)}")
         template, title, params = FP8_QUANT[name]
-        params = {**params, **{k: v for k, v in form.items() if k in params}}
         out[f"{name}.py"] = env.get_template(template).render(
             header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name, bm=plan.bm,
             **params, **_table(name))

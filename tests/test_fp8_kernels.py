@@ -41,13 +41,6 @@ def test_rendered_for_fp8_specs_only():
     assert list(emit_fp8_quant(fp8_plan(), ("quant_rows",))) == ["quant_rows.py"]
     with pytest.raises(EmitError, match="unknown kernel 'quant_x'"):
         emit_fp8_quant(fp8_plan(), ("quant_x",))
-    with pytest.raises(EmitError, match=r"unknown form parameters \['threads'\]; known \['tiles', 'ctas'\]"):
-        emit_fp8_quant(fp8_plan(), form={"threads": 128})
-    # a form parameter reaches the kernels whose template takes it, and no other
-    other = emit_fp8_quant(fp8_plan(), form={"tiles": 4, "ctas": 264})
-    assert "TILES = 4 " in other["quant_rows.py"] and "CTAS = 264 " in other["quant_cols_gather.py"]
-    shipped = emit_fp8_quant(fp8_plan())
-    assert other["quant_w.py"] == shipped["quant_w.py"] and other["quant_rows.py"] != shipped["quant_rows.py"]
 
 
 def _fn_args(src: str, name: str) -> list[str]:
@@ -99,25 +92,6 @@ def test_compile_and_ptx(built, arch):
         assert st.count("st.global.v4.b32") == stores and set(st) <= {"st.global.v4.b32", "st.global.b32"}, k
         assert ".ftz" not in ptx and "div." not in ptx and "rcp." not in ptx, k
     assert "ld.shared.b8" in (Path(art.dir) / "quant_wt.ptx").read_text()  # the smem transpose
-
-
-@pytest.mark.slow
-def test_persistent_forms_compile(tmp_path):
-    """The quantizers' other form (emit_fp8_quant's form: 4 row tiles per lane group, persistent column-block CTAs)
-    compiles for sm_90a: every tile's loads issued before the math (quant_rows: 4 x 2 loads, 4 x 8 conversions),
-    the column forms' loads twice (the first block's, then each next block's prefetched inside the block loop)."""
-    pytest.importorskip("cutlass")
-    from mokgen import build
-
-    names = ("quant_rows", "quant_cols_gather", "quant_both_used")
-    art = build.build(emit_fp8_quant(fp8_plan(), names, form={"tiles": 4, "ctas": 264}), "sm_90a", tmp_path, jobs=2,
-                      progress=False)
-    rows = (Path(art.dir) / "quant_rows.ptx").read_text()
-    assert rows.count("cvt.rn.satfinite.e4m3x2.f32") == 32 and _ops(rows, "ld.global").count("ld.global.v4.b32") == 8
-    for k in names[1:]:
-        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
-        assert _ops(ptx, "ld.global").count("ld.global.v4.b32") == 16, k   # 4 passes x 2 vectors, twice
-        assert ".ftz" not in ptx and "div.rn" not in ptx, k
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -9,10 +9,9 @@ a timing line (GB/s of reads + writes, CUDA events, median).
 
     PYTHONPATH=$PWD python -m pytest -q -s -m gpu tests/test_gpu_fp8_quant.py
 
-Every test runs on both forms of the kernels (``FORMS``). ``MOKGEN_GPU_QUANT_ROWS`` sets the row count of the
-timed activation case (default 32768); ``MOKGEN_FP8_QUANT_LIB=DIR`` loads a one-block library built elsewhere
-(``python tests/test_gpu_fp8_quant.py build DIR`` on a CPU host with the CuTe DSL) instead of building one here,
-and skips the persistent form.
+``MOKGEN_GPU_QUANT_ROWS`` sets the row count of the timed activation case (default 32768);
+``MOKGEN_FP8_QUANT_LIB=DIR`` loads a library built elsewhere (``python tests/test_gpu_fp8_quant.py build DIR`` on a
+CPU host with the CuTe DSL) instead of building one here.
 """
 from __future__ import annotations
 
@@ -28,15 +27,8 @@ DEV = "cuda"
 TIMED_ROWS = int(os.environ.get("MOKGEN_GPU_QUANT_ROWS", "32768"))
 
 
-# the quantizers' two forms (mokgen.emit.FP8_QUANT_FORM), each checked bit for bit: one CTA per block (one 1x128
-# tile per lane group, one 128x128 block per CTA) and the persistent one (4 row tiles per lane group; CTAs taking
-# the 128x128 blocks in turn, each prefetching its next block's rows). 3 CTAs here, so that every CTA takes many
-# blocks (the speed form has 2 per SM: tools/quant_bench.py); the bits do not depend on the count.
-FORMS = {"one-block": {"tiles": 1, "ctas": 0}, "persistent": {"tiles": 4, "ctas": 3}}
-
-
-def build_library(out, form: dict | None = None) -> None:
-    """Emit and build the quantization kernels for sm_90a into ``out`` (libmokgen.so), in ``form``."""
+def build_library(out) -> None:
+    """Emit and build the four quantization kernels for sm_90a into ``out`` (libmokgen.so)."""
     from mokgen import build
     from mokgen.emit import emit_fp8_quant
     from mokgen.plan import solve
@@ -44,19 +36,17 @@ def build_library(out, form: dict | None = None) -> None:
 
     spec = load_spec({"name": "fp8-quant-test", "hidden": 1024, "ffn": 512, "experts": 8, "topk": 2,
                       "tokens": 256, "dtype": "fp8"})
-    build.build(emit_fp8_quant(solve(spec, "sm_90a"), form=form), "sm_90a", out, progress=False)
+    build.build(emit_fp8_quant(solve(spec, "sm_90a")), "sm_90a", out, progress=False)
 
 
-@pytest.fixture(scope="module", params=list(FORMS))
-def fns(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def fns(tmp_path_factory):
     from mokgen.ops import load_library
 
     out = os.environ.get("MOKGEN_FP8_QUANT_LIB")
-    if out and request.param != "one-block":
-        pytest.skip("MOKGEN_FP8_QUANT_LIB: a library built elsewhere (its form: not known here)")
     if not out:
-        out = tmp_path_factory.mktemp("fp8quant-" + request.param)
-        build_library(out, FORMS[request.param])
+        out = tmp_path_factory.mktemp("fp8quant")
+        build_library(out)
     return load_library(out, kernels.FP8_QUANT_KERNELS)
 
 
@@ -241,4 +231,4 @@ if __name__ == "__main__":  # python tests/test_gpu_fp8_quant.py build DIR
 
     if sys.argv[1:2] != ["build"] or len(sys.argv) != 3:
         sys.exit("usage: python tests/test_gpu_fp8_quant.py build DIR")
-    build_library(sys.argv[2], FORMS["one-block"])
+    build_library(sys.argv[2])
