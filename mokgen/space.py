@@ -73,7 +73,8 @@ SM90 = ArchSpace(
              doc="CTAs per cluster along M (2: W tile multicast to the pair)"),
         Knob("cluster", ("dgrad1", "dgrad2"), (1, 2), search=None,
              doc="dgrads: CTAs per cluster along M (2: the pair's two M tiles take one W tile, multicast; needs the "
-                 "epilogue through smem and, for dgrad1, z by global loads); derived: 1"),
+                 "epilogue through smem and, for dgrad1, z by global loads); derived: 1 (on an H100 the pair made dgrad1 "
+                 "10-13% slower and left dgrad2 even: bench/NOTES.md v24)"),
         Knob("w_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
              doc="L2 eviction priority of the W-tile TMA loads"),
         Knob("a_hint", _FWD, ("normal", "first", "last"), shared=True, search=None,
