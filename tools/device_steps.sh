@@ -8,7 +8,7 @@
 #   timeline:SPECS                tools/step_timeline.py (sustained per-kernel times) -> $OUT/step-timeline.jsonl
 #   bwd:SPECS                     tools/bench_backward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/backward-h200.json
 #   fwd:SPECS                     tools/bench_forward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/forward-h200.json
-#   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated)
+#   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated; @OUT stands for $OUT, e.g. --out,@OUT/x.json)
 #   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
 #                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args)
 # Knobs: STEP_TIMEOUT (s, default 300), ROUNDS (3), SETTLE (0.5), BWD_ARGS / FWD_ARGS / TIMELINE_ARGS (extra args).
@@ -42,7 +42,7 @@ for step in "$@"; do
         $FWD_ARGS --out "$OUT/forward-h200.json" 2>>"$OUT/bench-fwd.log" | tail -25
       echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-fwd.log" | cut -c1-300 ;;
     py)
-      script=${rest%%:*}; args=""; [ "$rest" != "$script" ] && args=${rest#*:}
+      script=${rest%%:*}; args=""; [ "$rest" != "$script" ] && args=${rest#*:}; args=${args//@OUT/$OUT}
       timeout "${STEP_TIMEOUT:-300}" python3 "$script" ${args//,/ } 2>&1 | tail -40; echo "exit ${PIPESTATUS[0]}" ;;
     ncu)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
