@@ -31,7 +31,10 @@ METRICS = [
     ("occupancy_pct", "sm__warps_active.avg.pct_of_peak_sustained_active", 1.0),
     ("regs", "launch__registers_per_thread", 1.0),
     ("issue_active_pct", "sm__inst_issued.avg.pct_of_peak_sustained_active", 1.0),
+    ("smem_bank_conflicts_k", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", 1e-3),
 ]
+# warps stalled per issued instruction, by reason (WarpStateStats): the record's "stalls" dict, the largest first
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
 
 def load(raw_csv: str | Path, labels_txt: str | Path) -> list[dict]:
@@ -54,6 +57,18 @@ def load(raw_csv: str | Path, labels_txt: str | Path) -> list[dict]:
                 except ValueError:
                     continue
                 rec.setdefault("units", {})[col] = u.get(metric, "")
+        stalls = {}
+        for h, i in ix.items():
+            if (h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX) and d[i].strip()
+                    and h != STALL_PREFIX + "selected" + STALL_SUFFIX):   # the issuing warp itself: always 1
+                try:
+                    v = float(d[i].replace(",", ""))
+                except ValueError:
+                    continue
+                if v >= 0.05:
+                    stalls[h[len(STALL_PREFIX):-len(STALL_SUFFIX)]] = round(v, 3)
+        if stalls:
+            rec["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
         out.append(rec)
     return out
 
@@ -67,14 +82,16 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true")
     a = ap.parse_args(argv)
     recs = load(a.raw_csv, a.labels)
-    cols = [c for c, _, _ in METRICS if any(c in r for r in recs)]
+    cols = [c for c, _, _ in METRICS if any(c in r for r in recs)] + (["top stalls"] if any("stalls" in r for r in recs) else [])
     w = {c: max(9, len(c) + 1) for c in cols}
-    print(f"{'item':40s} {'phase':16s}" + "".join(f"{c:>{w[c]}s}" for c in cols))
+    w["top stalls"] = 0
+    print(f"{'item':40s} {'phase':16s}" + "".join(f"{c:>{w[c]}s}" if c != "top stalls" else f"  {c}" for c in cols))
     for r in recs:
         if not a.all and not r["phase"].startswith("gemm"):
             continue
+        top = " ".join(f"{k}={v:.1f}" for k, v in list(r.get("stalls", {}).items())[:3])
         print(f"{r['item'][:40]:40s} {r['phase'][:16]:16s}" + "".join(
-            f"{r.get(c, math.nan):{w[c]}.4g}" for c in cols))
+            f"{r.get(c, math.nan):{w[c]}.4g}" for c in cols if c != "top stalls") + (f"  {top}" if top else ""))
     if a.json:
         p = Path(a.json)
         old = json.loads(p.read_text()) if p.exists() else []
