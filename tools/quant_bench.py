@@ -32,12 +32,14 @@ from mokgen.ops import load_library  # noqa: E402
 from mokgen.plan import solve  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
-KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_both_gather", "quant_both_used", "quant_cols_used",
-           "quant_cols_gather")
+# the layer's quantizers: each one's input in :func:`inputs` and its mokgen.fp8_ops launcher
+KERNELS = {"quant_rows_gather": ("x", fp8_ops.quantize_gathered_rows), "quant_rows_used": ("h", fp8_ops.quantize_used_rows),
+           "quant_both_gather": ("x", fp8_ops.quantize_gathered_both), "quant_both_used": ("dz", fp8_ops.quantize_used_both),
+           "quant_cols_used": ("sa", fp8_ops.quantize_used_cols), "quant_cols_gather": ("x", fp8_ops.quantize_gathered_cols)}
 
 
 def build_lib(plan, out: Path) -> None:
-    build.build(emit_fp8_quant(plan, KERNELS), plan.arch, out, progress=False)
+    build.build(emit_fp8_quant(plan, tuple(KERNELS)), plan.arch, out, progress=False)
 
 
 def inputs(spec, dev: str, seed: int = 0) -> dict:
@@ -57,40 +59,20 @@ def inputs(spec, dev: str, seed: int = 0) -> dict:
 
 
 def launch(fns, name: str, d: dict):
-    if name == "quant_rows_gather":
-        return fp8_ops.quantize_gathered_rows(fns, d["x"], d["row_src"], d["meta"])
-    if name == "quant_rows_used":
-        return fp8_ops.quantize_used_rows(fns, d["h"], d["meta"])
-    if name == "quant_both_gather":
-        return fp8_ops.quantize_gathered_both(fns, d["x"], d["row_src"], d["meta"])
-    if name == "quant_both_used":
-        return fp8_ops.quantize_used_both(fns, d["dz"], d["meta"])
-    if name == "quant_cols_used":
-        return fp8_ops.quantize_used_cols(fns, d["sa"], d["meta"])
-    if name == "quant_cols_gather":
-        return fp8_ops.quantize_gathered_cols(fns, d["x"], d["row_src"], d["meta"])
-    raise KeyError(name)
+    src, fn = KERNELS[name]
+    return fn(fns, d[src], *((d["row_src"],) if name.endswith("gather") else ()), d["meta"])
 
 
 def floor_bytes(name: str, d: dict) -> int:
-    rows = d["rows"]
-    src = {"quant_rows_gather": "x", "quant_rows_used": "h", "quant_both_gather": "x", "quant_both_used": "dz",
-           "quant_cols_used": "sa", "quant_cols_gather": "x"}[name]
-    x = d[src]
-    k = x.shape[1]
-    read = x.numel() * 2
+    x = d[KERNELS[name][0]]
+    rows, k = d["rows"], x.shape[1]
     one = rows * k + rows * (-(-k // 128)) * 4          # e4m3 bytes + one scale per 128 (either form)
-    return read + (2 * one if name.startswith("quant_both") else one)
+    return x.numel() * 2 + (2 * one if name.startswith("quant_both") else one)
 
 
 def kwargs_of(name: str, d: dict, outs) -> dict:
     """The kernel's named arguments (kernels.call) with ``outs`` (what :func:`launch` returned) as its outputs."""
-    src = {"quant_rows_gather": "x", "quant_rows_used": "h", "quant_both_gather": "x", "quant_both_used": "dz",
-           "quant_cols_used": "sa", "quant_cols_gather": "x"}[name]
-    kw = {"x": d[src]}
-    if name.endswith("gather"):
-        kw["row_src"] = d["row_src"]
-    kw["meta"] = d["meta"]
+    kw = {"x": d[KERNELS[name][0]], **({"row_src": d["row_src"]} if name.endswith("gather") else {}), "meta": d["meta"]}
     names = {"quant_rows": ("q", "s"), "quant_cols": ("qt", "st"), "quant_both": ("q", "s", "qt", "st")}
     kw.update(zip(names[name.rsplit("_", 1)[0]], outs))
     return kw
@@ -127,7 +109,7 @@ def main(argv=None) -> int:
             plan = solve(spec, "sm_90a")
             out = Path(tmp) / spec.name
             build_lib(plan, out)
-            fns = load_library(out, KERNELS)
+            fns = load_library(out, tuple(KERNELS))
             ref_fns = fp8_ops.reference_quant_kernels(128)
             d = inputs(spec, dev)
             d_cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
