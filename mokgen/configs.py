@@ -212,8 +212,7 @@ def check_plan(plan: Any) -> list[str]:
         elif g.a_load != "tma":
             out.append(f"gemm2.a_load {g.a_load!r}: GEMM 2 reads h by TMA")
         n, k = P._gemm_shape(spec, which)
-        k_tiles = -(-k // g.bk) if g.elem_bytes == 1 else k // g.bk   # FP8: a partial last K block
-        if (k % g.bk and g.elem_bytes != 1) or g.k_tiles != k_tiles or g.n_tiles != -(-n // g.bn):
+        if (k % g.bk and g.elem_bytes != 1) or g.k_tiles != g.k_tiles_for(k) or g.n_tiles != -(-n // g.bn):
             out.append(f"{name}: k_tiles/n_tiles do not match N {n}, K {k}")
         tile_m = g.tile_m
         stage = (tile_m + g.bn) * g.bk * g.elem_bytes
@@ -274,8 +273,7 @@ def _check_backward_plan(plan: Any) -> list[str]:
         bk = 128 if g.elem_bytes == 1 else sp_.bk   # FP8 dgrads: one scale block per stage
         if g.bn % g.epi_n or g.bk != bk or g.a_load != "tma":
             out.append(f"{where}: bn {g.bn} / epi_n {g.epi_n} / bk {g.bk} / a_load {g.a_load!r} do not fit the template")
-        k_tiles = 0 if k is None else (-(-k // g.bk) if g.elem_bytes == 1 else k // g.bk)
-        if g.n_tiles != -(-n // g.bn) or g.k_tiles != k_tiles:
+        if g.n_tiles != -(-n // g.bn) or g.k_tiles != (0 if k is None else g.k_tiles_for(k)):
             out.append(f"{where}: k_tiles/n_tiles do not match N {n}, K {k}")
         if k is not None:  # a dgrad: rows of the padded row space, tiles inside one routing tile
             if g.consumer not in sp_.values("consumer", name):

@@ -125,6 +125,11 @@ class GemmPlan:
         """(producer, consumer) registers per thread (setmaxnreg), by how A is loaded (REGS)."""
         return REGS[self.a_load]
 
+    def k_tiles_for(self, k: int) -> int:
+        """K tiles of this GEMM for a K of k: 1-byte operands (FP8, MXFP8) take a partial last tile (TMA reads zeros
+        past K), bf16 ones whole tiles (where K must divide, the checks say so)."""
+        return -(-k // self.bk) if self.elem_bytes == 1 else k // self.bk
+
     def panel_tiles(self, group_m: int) -> int:
         """Raster panel height in the kernel's work units (tiles of tile_m rows, or cluster pairs of them): the
         plan's raster_group counts routing tiles of group_m rows, so the panels span the same rows whatever the

@@ -82,7 +82,7 @@ def _mx_partial_n(plan: Any, g: Any) -> bool:
 
 def _k_tiles_ok(g: Any, k: int) -> bool:
     """The MXFP8 GEMMs take a partial last K tile (TMA zero fill, whole scale atoms); the BF16 ones whole tiles."""
-    return g.k_tiles == -(-k // g.bk) if g.elem_bytes == 1 else (k % g.bk == 0 and g.k_tiles == k // g.bk)
+    return g.k_tiles == g.k_tiles_for(k) and (g.elem_bytes == 1 or k % g.bk == 0)
 
 
 def _sm90_only(where: str, g: Any) -> list[str]:
