@@ -10,7 +10,8 @@
 #   fwd:SPECS                     tools/bench_forward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/forward-h200.json
 #   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated; @OUT stands for $OUT, e.g. --out,@OUT/x.json)
 #   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
-#                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args)
+#                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args;
+#                                 NCU_SOURCE=1: the SASS source page as $OUT/ncu-source.csv.gz)
 # Knobs: STEP_TIMEOUT (s, default 300), ROUNDS (3), SETTLE (0.5), BWD_ARGS / FWD_ARGS / TIMELINE_ARGS (extra args).
 # Environment: tools/device_env.sh (the DSL bundle and wheels carried in .devdeps / .whl).
 source tools/device_env.sh || exit 1
@@ -52,7 +53,12 @@ for step in "$@"; do
         $secs $NCU_ARGS -o "$OUT/step" python3 tools/ncu_step.py $rest > "$OUT/ncu-labels.txt" 2> "$OUT/ncu.err"
       echo "exit $?"; grep -c "^label" "$OUT/ncu-labels.txt"; grep "==ERROR==" "$OUT/ncu-labels.txt" "$OUT/ncu.err" | head -5
       "$NCU" -i "$OUT/step.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
-      python3 tools/ncu_summary.py "$OUT/ncu-raw.csv" "$OUT/ncu-labels.txt" --all 2>&1 | cut -c1-300 ;;
+      python3 tools/ncu_summary.py "$OUT/ncu-raw.csv" "$OUT/ncu-labels.txt" --all 2>&1 | cut -c1-300
+      if [ -n "$NCU_SOURCE" ]; then   # per-SASS-line counters (needs --section SourceCounters in NCU_ARGS)
+        "$NCU" -i "$OUT/step.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-source.csv" 2>"$OUT/ncu-source.err"
+        echo "source page exit $? ($(wc -l < "$OUT/ncu-source.csv") lines)"; head -c 300 "$OUT/ncu-source.err"
+        gzip -f "$OUT/ncu-source.csv"
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
