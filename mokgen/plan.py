@@ -835,10 +835,14 @@ def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, 
 
 def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     promote_keys = [k for k in overrides if k == "promote" or k.endswith("_promote")]
+    scale_keys = [k for k in overrides if k == "scale_load" or k.endswith("_scale_load")]
     if spec.dtype != "fp8":
         if promote_keys:
             raise PlanError(f"plan.{promote_keys[0]}: the promotion mode applies to FP8 specs (dtype fp8), this one "
                             f"is {spec.dtype}")
+        if scale_keys:
+            raise PlanError(f"plan.{scale_keys[0]}: where the FP8 scales are read from applies to FP8 specs (dtype "
+                            f"fp8), this one is {spec.dtype}")
         return _solve(spec, arch, **overrides)
     a = _fp8_arch(arch)
     for key in ("dgrad1_cluster", "dgrad2_cluster"):
@@ -857,7 +861,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     # tile N of the FP8 GEMMs: fp8_gemm's 128, or 256 for gemm2 / dgrad2 (fp8_widen); not the BF16 tile's
     fp8_bn = {k: overrides[k] for k in FP8_BN_KEYS if k in overrides}
     rest = {k: v for k, v in overrides.items()
-            if k not in promote_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load") and k not in fp8_bn}
+            if k not in promote_keys and k not in scale_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load")
+            and k not in fp8_bn}
     if not rest:
         plan = _settle_epi_store(_candidates_any(spec, arch)[0], {})
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
@@ -903,6 +908,18 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             g2 = g
         else:
             plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, dgrad2=g))
+    for which in (1, 2):   # where the scales are read from: before the stage overrides (the staged form's smem)
+        if (key := next((k for k in (f"gemm{which}_scale_load", "scale_load") if k in overrides), None)):
+            g = _scale_load_override(a, g1 if which == 1 else g2, key, overrides[key])
+            g1, g2 = (g, g2) if which == 1 else (g1, g)
+    if plan.backward is not None:
+        for name in ("dgrad1", "dgrad2"):
+            if (key := next((k for k in (f"{name}_scale_load", "scale_load") if k in overrides), None)):
+                plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **{
+                    name: _scale_load_override(a, getattr(plan.backward, name), key, overrides[key])}))
+    elif any(k.startswith("dgrad") for k in scale_keys):
+        raise PlanError(f"plan.{next(k for k in scale_keys if k.startswith('dgrad'))}: this plan has no backward "
+                        f"kernels")
     for which in (1, 2):   # stage overrides, within what fits 1-byte stages (fp8_gemm takes the most that fit)
         if (key := f"gemm{which}_stages") in rest:
             g = g1 if which == 1 else g2
@@ -933,6 +950,24 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
     return _with_prediction(spec, a, dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"],
                                                          backward=backward))
+
+
+def stage_scale_bytes(g: GemmPlan) -> int:
+    """Shared memory per stage of FP8 GEMM `g`'s staged scales (scale_load "stage"): the K block's fp32 scales of
+    the tile's rows and a 16-byte slot of its W-block scales (one per part or column half)."""
+    return (g.tile_m + 4) * 4
+
+
+def _scale_load_override(a: Arch, g: GemmPlan, key: str, mode: Any) -> GemmPlan:
+    """FP8 GEMM `g` with its scales read as override `key` asks ("global" or "stage"), with as many stages as
+    then fit (the staged form's scale ring takes shared memory)."""
+    legal = _SPACE.values("scale_load", "gemm1")
+    if mode not in legal:
+        raise PlanError(f"plan.{key}: must be one of {', '.join(legal)}, got {mode!r}")
+    if mode == "stage" and g.a_load != "tma":
+        raise PlanError(f"plan.{key}: staged scales need TMA-loaded A tiles (a_load tma), got {g.a_load}")
+    return _fp8_fill_stages(a, dataclasses.replace(g, stage_scale_bytes=stage_scale_bytes(g) if mode == "stage"
+                                                    else 0))
 
 
 def stagger_problem(g: GemmPlan) -> str | None:
@@ -1075,7 +1110,7 @@ def fp8_wgrad_wide(spec: Spec, arch: Arch, name: str, g: GemmPlan) -> GemmPlan:
 def _fp8_fill_stages(arch: Arch, g: GemmPlan) -> GemmPlan:
     """FP8 GEMM `g` with as many 1-byte stages as fit the shared memory beside its epilogue buffers and barriers
     (within [MIN_STAGES, MAX_STAGES])."""
-    stage = (g.tile_m + g.bn) * g.bk
+    stage = (g.tile_m + g.bn) * g.bk + g.stage_scale_bytes
     most = (arch.smem_per_cta - (g.smem_bytes() - g.stages * stage)) // stage
     return dataclasses.replace(g, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
 
@@ -1334,7 +1369,7 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
     """The FP8 form's lines: what fp8_gemm fixed and why, the stage ring in 1-byte elements."""
     n, k = _gemm_shape(spec, which)
     title = ("GEMM1  h = SwiGLU(x[rows] . w1ᵀ)", "GEMM2  ys = row_w * (h . w2ᵀ)")[which - 1]
-    stage = (g.tile_m + g.bn) * g.bk * g.elem_bytes
+    stage = (g.tile_m + g.bn) * g.bk * g.elem_bytes + g.stage_scale_bytes
     fixed = g.smem_bytes() - g.stages * stage
     waves = c.tiles / arch.sms
     return [
@@ -1350,12 +1385,17 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
                                              f"one 128-row scale block)" if which == 1 else
                                              f"; {FP8_BNS[1]} with the override {('gemm1', 'gemm2')[which - 1]}_bn "
                                              f"(mma_split 2))")),
-        f"  smem per stage = BK*(BM + BN)*1 B = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
+        "  smem per stage = BK*(BM + BN)*1 B" + (f" + {g.stage_scale_bytes} B of scales" if g.stage_scale_bytes
+                                                 else "") + f" = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
         f"barriers {BARRIER_BYTES} B -> stages = {g.stages} (the most that fit, range [{MIN_STAGES}, {MAX_STAGES}]; "
         f"{g.smem_bytes()} of {arch.smem_per_cta} B, {fixed} B besides the ring)",
         f"  promotion: {g.promote} (overlap: the next K block's wgmma issued before this block's scaling, in "
         f"chains of 8 blocks; default for the forward GEMMs, measured 2-15% faster training steps; stagger: the "
         f"two warpgroups one block apart, no gain measured: bench/NOTES.md v13)",
+        "  scales: " + (f"staged (scale_load stage: a producer warp copies each K block's {g.tile_m} A-row and W "
+                         f"scales into a shared-memory ring, {g.stage_scale_bytes} B a stage)" if g.stage_scale_bytes
+                         else "global loads by the consumer threads at each block's issue (scale_load global)")
+        + "; the two forms measured within noise on an H100, same bits (bench/NOTES.md v25)",
         f"  raster_group = {g.raster_group}; tiles = {_m_tiles(spec, g.bm)} M x {g.n_tiles} N = {c.tiles}; waves = "
         f"{waves:.2f} -> {math.ceil(waves)} (wave efficiency {_pct(c.wave_eff)})",
         f"  cost below: the FP8 model (dense e4m3 {arch.peak_fp8_tflops:g} TFLOP/s x mainloop efficiency "

@@ -84,6 +84,11 @@ SM90 = ArchSpace(
              doc="FP8 specs: each K block's wgmma waited before its promotion (serial), the same with the two "
                  "warpgroups one block apart so one promotes while the other's wgmma runs (stagger), or the next "
                  "block's issued first (overlap: two per-block accumulators)"),
+        Knob("scale_load", _FWD + ("dgrad1", "dgrad2"), ("global", "stage"), shared=True,
+             search=("global", "stage"),
+             doc="FP8 specs: each K block's A-row and W-block scales read from global memory by the consumer "
+                 "threads at the promotion (global), or copied a ring of stages ahead by a producer warp into "
+                 "shared memory (stage: the promotion never waits on a global load)"),
         Knob("schedule", ("plan",), ("chain", "fused"), search=("chain", "fused"),
              doc="four launches, or routing + one persistent kernel"),
         Knob("consumer", ("dgrad1", "dgrad2"), ("cooperative", "pingpong"), search=("cooperative", "pingpong"),

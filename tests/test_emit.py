@@ -150,6 +150,29 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
     assert "bra" not in ops[ops.index("ld.global.v4"): ops.index("st.global.v4")], ops
 
 
+@pytest.mark.slow
+def test_staged_fp8_scales_compile(tmp_path):
+    """``scale_load=stage``: the FP8 grouped GEMMs (overlapped, serial and 256-column split mainloops) compile for
+    sm_90a with the scale warp's 4-byte cp.async copies and their mbarrier arrivals, the e4m3 wgmma kept in its
+    pipeline (no ptxas advisory)."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", scale_load="stage", dgrad2_bn=256)
+    assert (plan.gemm2.promote, plan.backward.dgrad1.promote, plan.backward.dgrad2.mma_split) == ("overlap", "serial", 2)
+    src = emit(plan)
+    keep = {"gemm2.py", "dgrad1.py", "dgrad2.py"}
+    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
+                      tmp_path, progress=False)
+    for k in ("gemm2", "dgrad1", "dgrad2"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        assert ".f32.e4m3.e4m3" in ptx and "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx, k
+        assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 4(, 4)?;", ptx), k
+    adv = build.ptxas_report(art)
+    if adv is not None:
+        assert not any(adv.values()), {k: v for k, v in adv.items() if v}
+
+
 def _global_ops(ptx_path: Path) -> list[str]:
     """The global loads / stores and branches of a kernel's PTX, in order ("ld.global.v4", "bra", ...)."""
     out = []

@@ -215,6 +215,42 @@ def test_promote_modes_same_bits(case):
         other.check_errors()
 
 
+def test_scale_load_same_bits(case):
+    """Where the FP8 GEMMs read their scales (plan scale_load: "global" = the consumer threads' global loads,
+    "stage" = a producer warp's copies into a shared-memory ring) changes no product and no order: the forward
+    and every gradient of a training step have the same bits under the other form, also with the 256-column
+    GEMM 2 / dgrad2 (each column half's own W scale) and with the staggered promotion (random and skewed
+    routing)."""
+    spec, moe, inp = case
+    flip = "global" if moe.plan.gemm2.stage_scale_bytes else "stage"
+    variants = [{"scale_load": flip}, {"scale_load": "stage", "gemm2_bn": 256, "dgrad2_bn": 256},
+                {"scale_load": "stage", "promote": "stagger"}]
+    dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
+    fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=4, routing="skewed")
+    cases = (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight))
+
+    def step(m, c):
+        y, saved = m.forward_train(c.x, c.topk_idx, c.topk_weight, c.w1, c.w2, c.b1, c.b2)
+        return y, m.backward(dy, saved, c.x, c.topk_weight, c.w1, c.w2, c.b1, c.b2)
+
+    for ov in variants:
+        other = mokgen.compile(spec, overrides={**OVERRIDES, **ov})
+        staged = [n for n in ("gemm1", "gemm2") if getattr(other.plan, n).stage_scale_bytes]
+        staged += [n for n in ("dgrad1", "dgrad2") if getattr(other.plan.backward, n).stage_scale_bytes]
+        assert staged == ([] if ov["scale_load"] == "global" else ["gemm1", "gemm2", "dgrad1", "dgrad2"]), staged
+        for c in cases:
+            (y1, g1), (y2, g2) = step(moe, c), step(other, c)
+            torch.cuda.synchronize()
+            assert not bool(y2.isnan().any()), f"{spec.name}: NaN in y with {ov}"
+            assert torch.equal(bits(y1), bits(y2)), f"{spec.name}: y bits differ with {ov}"
+            for name in ("x", "topk_weight", "w1", "w2"):
+                a, b = getattr(g1, name), getattr(g2, name)
+                assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
+                    f"{spec.name}: grad {name} bits differ with {ov}"
+        other.check_errors()
+
+
 def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case, ctas):
     """With FP8 weight gradients (MOKGEN_GPU_OVERRIDES wgrad1_dtype=fp8 / wgrad2_dtype=fp8): dW1 / dW2 have the
     same bits under every promotion (serial; stagger: the two warpgroups one K block apart on tiles of at least

@@ -307,3 +307,37 @@ def test_dgrad_cluster_override(name):
         solve(spec, "sm_90a", dgrad1_cluster=2, dgrad1_z_load="tma")
     with pytest.raises(PlanError, match=r"^plan\.dgrad2_cluster: the FP8 dgrads run cluster 1"):
         solve(load_spec("kimi-k2-fp8"), "sm_90a", dgrad2_cluster=2)
+
+
+def test_scale_load_override():
+    """``scale_load=stage`` (FP8, opt-in): the four FP8 grouped GEMMs stage each K block's scales in shared memory
+    (stage_scale_bytes: the tile's rows + a 16-byte W-scale slot, fp32), the stages re-counted against it; per-GEMM
+    keys touch their GEMM only; the plan passes check_plan and the emitted GEMMs carry the scale warp; BF16 specs,
+    bad values and an inference plan's dgrad key are one-line errors."""
+    from mokgen import configs
+    from mokgen.emit import emit
+    from mokgen.plan import stage_scale_bytes
+
+    spec = load_spec("kimi-k2-fp8")
+    base = solve(spec, "sm_90a")
+    gemms = lambda p: {"gemm1": p.gemm1, "gemm2": p.gemm2, "dgrad1": p.backward.dgrad1, "dgrad2": p.backward.dgrad2}
+    assert all(g.stage_scale_bytes == 0 for g in gemms(base).values())
+    p = solve(spec, "sm_90a", scale_load="stage")
+    assert not configs.check_plan(p)
+    src = emit(p)
+    for name, g in gemms(p).items():
+        assert g.stage_scale_bytes == stage_scale_bytes(g) == (g.tile_m + 4) * 4, name
+        assert g.smem_bytes() <= 232448 and g.stages <= gemms(base)[name].stages
+        text = src.files[f"{name}_train.py" if name == "gemm1" else f"{name}.py"]
+        assert "STAGE_SCALES = True" in text and "cp_async_mbarrier_arrive_noinc(sfull + sslot)" in text, name
+    assert "STAGE_SCALES = False" in emit(base).files["gemm2.py"]
+    one = solve(spec, "sm_90a", dgrad1_scale_load="stage")
+    assert {n for n, g in gemms(one).items() if g.stage_scale_bytes} == {"dgrad1"}
+    wide = solve(spec, "sm_90a", scale_load="stage", gemm2_bn=256)
+    assert wide.gemm2.mma_split == 2 and wide.gemm2.stage_scale_bytes and not configs.check_plan(wide)
+    assert solve(spec, "sm_90a", scale_load="global") == base
+    with pytest.raises(PlanError, match=r"^plan\.scale_load: must be one of global, stage, got 'smem'$"):
+        solve(spec, "sm_90a", scale_load="smem")
+    with pytest.raises(PlanError, match=r"^plan\.gemm2_scale_load: where the FP8 scales are read from applies to "
+                                        r"FP8 specs \(dtype fp8\), this one is bf16$"):
+        solve(load_spec("kimi-k2"), "sm_90a", gemm2_scale_load="stage")
