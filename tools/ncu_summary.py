@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-# (column, ncu metric, scale) -- the units are those ncu's raw page gives for these metrics on the H200
+# (column, ncu metric, scale) -- the scale applies to the metrics without a unit conversion below (counts)
 METRICS = [
     ("ms", "gpu__time_duration.sum", 1.0),
     ("sm_ghz", "gpc__cycles_elapsed.avg.per_second", 1.0),
@@ -33,6 +33,33 @@ METRICS = [
     ("issue_active_pct", "sm__inst_issued.avg.pct_of_peak_sustained_active", 1.0),
     ("smem_bank_conflicts_k", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", 1e-3),
 ]
+# ncu's raw page picks a unit per column for the values in that report ("us" for short kernels, "ms" for long
+# ones; "Mbyte" or "Gbyte"): the columns named with a unit are converted to it (a record's "units" then says that
+# unit), so records of different reports compare
+UNIT_OF = {"ms": "ms", "sm_ghz": "GHz", "dram_read_gb": "GB", "dram_write_mb": "MB", "l2_to_sm_gb": "GB"}
+TO_BASE = {  # unit (lower case) -> (quantity, factor to the base: ms, GHz, bytes)
+    "ns": ("time", 1e-6), "us": ("time", 1e-3), "usecond": ("time", 1e-3), "ms": ("time", 1.0),
+    "msecond": ("time", 1.0), "s": ("time", 1e3), "second": ("time", 1e3), "nsecond": ("time", 1e-6),
+    "hz": ("freq", 1e-9), "khz": ("freq", 1e-6), "mhz": ("freq", 1e-3), "ghz": ("freq", 1.0),
+    "byte": ("bytes", 1.0), "kbyte": ("bytes", 1e3), "mbyte": ("bytes", 1e6), "gbyte": ("bytes", 1e9),
+    "tbyte": ("bytes", 1e12),
+}
+TARGET = {"ms": ("time", 1.0), "GHz": ("freq", 1.0), "GB": ("bytes", 1e9), "MB": ("bytes", 1e6)}
+
+
+def convert(col: str, value: float, unit: str) -> tuple[float, str]:
+    """`value` of column `col` in ncu's `unit` -> (value, unit) in the column's own unit (UNIT_OF); columns
+    without one keep ncu's value and unit. An unknown unit for a unit column is an error, not a silent mix."""
+    want = UNIT_OF.get(col)
+    if want is None:
+        return value, unit
+    got = TO_BASE.get(unit.strip().lower())
+    quantity, per = TARGET[want]
+    if got is None or got[0] != quantity:
+        raise SystemExit(f"ncu_summary: column {col} needs a {quantity} unit, ncu gave {unit!r}")
+    return value * got[1] / per, want
+
+
 # warps stalled per issued instruction, by reason (WarpStateStats): the record's "stalls" dict, the largest first
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
@@ -53,10 +80,10 @@ def load(raw_csv: str | Path, labels_txt: str | Path) -> list[dict]:
         for col, metric, scale in METRICS:
             if metric in ix and d[ix[metric]].strip():
                 try:
-                    rec[col] = float(d[ix[metric]].replace(",", "")) * scale
+                    value = float(d[ix[metric]].replace(",", "")) * scale
                 except ValueError:
                     continue
-                rec.setdefault("units", {})[col] = u.get(metric, "")
+                rec[col], rec.setdefault("units", {})[col] = convert(col, value, u.get(metric, ""))
         stalls = {}
         for h, i in ix.items():
             if (h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX) and d[i].strip()
