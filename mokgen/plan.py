@@ -459,13 +459,13 @@ def _widen_fp8_wgrads(spec: Spec, arch: str, plan: Plan, names: Iterable[str]) -
         n: fp8_wgrad_wide(spec, _fp8_arch(arch), n, getattr(plan.backward, n)) for n in names}))
 
 
-def _candidates_any(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
+def _candidates_any(spec: Spec, arch: str = "sm_90a", fp8_wide: tuple[str, ...] | None = None) -> list[Plan]:
     if spec.dtype == "fp8":
         a = _fp8_arch(arch)
         out, seen = [], set()
         for p in _candidates(spec, arch):
             if p.gemm1.consumer == p.gemm2.consumer == "cooperative":
-                q = fp8_plan(spec, a, p)
+                q = fp8_plan(spec, a, p, wide=fp8_wide)
                 if (key := q.canonical_json()) not in seen:
                     seen.add(key)
                     out.append(q)
@@ -863,12 +863,14 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     rest = {k: v for k, v in overrides.items()
             if k not in promote_keys and k not in scale_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load")
             and k not in fp8_bn}
+    # the GEMMs that keep the default 256-column tile: those whose tile no override fixes
+    wide = tuple(name for name, _ in FP8_WIDE_DEFAULT if not _fp8_tile_asked(name, overrides))
     if not rest:
-        plan = _settle_epi_store(_candidates_any(spec, arch)[0], {})
+        plan = _settle_epi_store(_candidates_any(spec, arch, fp8_wide=wide)[0], {})
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
         plan = _solve(spec, arch, **{"consumer": "cooperative", **rest})
         plan = fp8_plan(spec, a, dataclasses.replace(
-            plan, notes=tuple(n for n in plan.notes if n != "overrides: consumer=cooperative")))
+            plan, notes=tuple(n for n in plan.notes if n != "overrides: consumer=cooperative")), wide=wide)
     if z_chunk is not None and plan.backward is not None:
         d1 = plan.backward.dgrad1
         z = _int_override("dgrad1_z_chunk", z_chunk)
@@ -948,8 +950,13 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                 mode = "serial"
             gemms[name] = dataclasses.replace(gemms[name], promote=mode)
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
+    chunk = max(_chunk_rows(a, gemms["gemm1"].n_tiles, plan.bm), _chunk_rows(a, gemms["gemm2"].n_tiles, plan.bm))
+    # the automatic notes (a partial N tile, ...) of the tiles the overrides gave, not of those fp8_plan chose
+    old_auto = _auto_notes(spec, a, plan.gemm2, *_costs(spec, a, plan.gemm1, plan.gemm2)[:2])
+    notes = (_auto_notes(spec, a, gemms["gemm2"], *_costs(spec, a, gemms["gemm1"], gemms["gemm2"])[:2])
+             + tuple(n for n in plan.notes if n not in old_auto))
     return _with_prediction(spec, a, dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"],
-                                                         backward=backward))
+                                                         backward=backward, chunk_rows=chunk, notes=notes))
 
 
 def stage_scale_bytes(g: GemmPlan) -> int:
@@ -989,15 +996,24 @@ def _fp8_arch(arch: str) -> Arch:
     return get_arch(arch)
 
 
-def fp8_plan(spec: Spec, a: Arch, plan: Plan) -> Plan:
+def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = None) -> Plan:
     """The FP8 form of a cooperative BF16 plan: the forward GEMMs and the backward's dgrads by :func:`fp8_gemm`
-    (the dgrads read the weights' K-major transposed e4m3 copies), the wgrads BF16 (``wgrad*_dtype`` overrides:
-    FP8), the chain schedule; the predicted time from the FP8 model (FP8_MAINLOOP_EFF and its terms)."""
+    (the dgrads read the weights' K-major transposed e4m3 copies), GEMM 2 and dgrad2 where `wide` names them in
+    256-column tiles (:func:`fp8_widen`, FP8_WIDE_DEFAULT), the wgrads BF16 (``wgrad*_dtype`` overrides: FP8), the
+    chain schedule; the predicted time from the FP8 model (FP8_MAINLOOP_EFF and its terms). `wide` None: every
+    GEMM of FP8_WIDE_DEFAULT."""
+    wide = tuple(n for n, _ in FP8_WIDE_DEFAULT) if wide is None else wide
+
+    def form(which: int, g: GemmPlan) -> GemmPlan:
+        g = fp8_gemm(spec, a, which, g)
+        name = {2: "gemm2", 4: "dgrad2"}.get(which)
+        return fp8_widen(a, which, g, spec.hidden) if name in wide and fp8_wide_problem(which, g) is None else g
+
     backward = plan.backward
     if backward is not None:
         backward = dataclasses.replace(backward, dgrad1=fp8_gemm(spec, a, 3, backward.dgrad1),
-                                       dgrad2=fp8_gemm(spec, a, 4, backward.dgrad2))
-    g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), fp8_gemm(spec, a, 2, plan.gemm2)
+                                       dgrad2=form(4, backward.dgrad2))
+    g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), form(2, plan.gemm2)
     # the BF16 GEMMs' automatic notes (a partial N tile of their tile N, ...) do not describe the FP8 tiles
     bf16_auto = set(_auto_notes(spec, a, plan.gemm2, *_costs(spec, a, plan.gemm1, plan.gemm2)[:2]))
     notes = (_auto_notes(spec, a, g2, *_costs(spec, a, g1, g2)[:2])
@@ -1028,6 +1044,24 @@ FP8_WIDE = {2: "gemm2", 4: "dgrad2"}
 FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
 FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
 FP8_BNS = (FP8_BN, 2 * FP8_BN)
+
+
+# The FP8 GEMMs that take 256-column tiles (fp8_widen) by default, where the GEMM's tile is not asked for otherwise
+# (_fp8_tile_asked). Measured on an H100, forward+backward with both wide against both 128 columns, one process,
+# bench_backward 3 rounds (bench/NOTES.md v25): kimi-k2 6.150 vs 6.407 ms (and 6.165 vs 6.615 in 2 rounds),
+# glm-5 5.344 vs 5.390, qwen3.5-397b-a17b 2.476 vs 2.501; on the H200 (v14) kimi-k2 6.835 vs 6.865, gpt-oss-120b
+# 7.715 vs 7.875. The forward alone moves -5% to +2% either way (GEMM 2's tile; GEMM 2 runs in the training
+# step too); same bits (tests/test_gpu_fp8.py::test_scale_load_same_bits).
+FP8_WIDE_DEFAULT = (("gemm2", 2), ("dgrad2", 4))
+
+
+def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
+    """Whether the overrides fix FP8 GEMM `name`'s tile form: its tile N or stages, a promotion other than serial
+    (per GEMM, or the shared key) or a cluster (the 256-column form promotes its halves in turn, cluster 1)."""
+    promote = overrides.get(f"{name}_promote", overrides.get("promote", "serial"))
+    cluster = overrides.get(f"{name}_cluster", overrides.get("cluster", 1)) if name.startswith("gemm") else 1
+    return (f"{name}_bn" in overrides or f"{name}_stages" in overrides or promote != "serial"
+            or str(cluster) != "1")
 
 
 def fp8_wide_problem(which: int, g: GemmPlan) -> str | None:
@@ -1063,7 +1097,7 @@ def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:
     bn = FP8_BN if which != 3 or spec.ffn % FP8_BN == 0 else FP8_BN // 2
     fp8 = dataclasses.replace(
         g, bn=bn, bk=FP8_BK, elem_bytes=1, consumer="cooperative", consumer_wgs=CONSUMER_WGS, cluster=1,
-        promote=FP8_PROMOTE[which - 1],
+        promote=FP8_PROMOTE[which - 1], mma_split=1, stage_scale_bytes=0,
         a_load="tma", n_tiles=-(-n // bn), k_tiles=-(-k // FP8_BK),
         epi_n=g.epi_n if (bn // (2 if which == 1 else 1)) % g.epi_n == 0 else EPI_N,
         z_chunk=min(g.z_chunk, bn // 4))
@@ -1137,8 +1171,10 @@ def _solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             return True
         return fused_tiles_ok(spec, p.gemm1, p.gemm2) and p.gemm1.consumer == p.gemm2.consumer == "cooperative"
 
+    # an FP8 spec's candidates keep the 128-column GEMM 2 where these overrides fix its tile (stages, cluster)
+    wide = tuple(n for n, _ in FP8_WIDE_DEFAULT if not _fp8_tile_asked(n, overrides))
     best = next(
-        (p for p in _candidates_any(spec, arch)
+        (p for p in _candidates_any(spec, arch, fp8_wide=wide)
          if p.gemm1.bn == overrides.get("gemm1_bn", p.gemm1.bn) and p.gemm2.bn == overrides.get("gemm2_bn", p.gemm2.bn)
          and fits(p)), None)
     if best is None:
@@ -1376,8 +1412,8 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
         "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" if which == 1 else
                    "h's used rows quantized by quant_rows_used, read by TMA tiles"),
-        (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2, override {('gemm1', 'gemm2')[which - 1]}"
-         f"_bn): the accumulator ({_acc_regs(g.bn)} fp32 registers per consumer thread) plus one half-width "
+        (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2; GEMM 2's default, FP8_WIDE_DEFAULT, "
+         f"{('gemm1', 'gemm2')[which - 1]}_bn=128 for 128 columns): the accumulator ({_acc_regs(g.bn)} fp32 registers per consumer thread) plus one half-width "
          f"per-block one ({_acc_regs(g.bn // 2)}), each half promoted in turn; a quarter fewer operand bytes per "
          f"flop than 128 columns" if g.mma_split == 2 else
          f"  bn = {g.bn} (the accumulator plus the promotion's per-block one, 2 x {_acc_regs(g.bn)} fp32 "

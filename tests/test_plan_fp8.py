@@ -26,15 +26,18 @@ def test_fp8_plan_constraints(name):
     fwd = (plan.gemm1, plan.gemm2)
     bwd = (plan.backward.dgrad1, plan.backward.dgrad2)
     for g in fwd + bwd:
-        # dgrad1's dSwiGLU tiles divide ffn: 64 columns where 128 does not (gpt-oss-120b's 2880)
-        bn = 64 if g is plan.backward.dgrad1 and spec.ffn % 128 else 128
+        # dgrad1's dSwiGLU tiles divide ffn: 64 columns where 128 does not (gpt-oss-120b's 2880); GEMM 2 and dgrad2
+        # take 256-column tiles in two wgmma halves (plan.FP8_WIDE_DEFAULT)
+        wide = g is plan.gemm2 or g is plan.backward.dgrad2
+        bn = 64 if g is plan.backward.dgrad1 and spec.ffn % 128 else (256 if wide else 128)
         assert (g.bk, g.bn, g.elem_bytes, g.consumer, g.cluster, g.a_load) == (128, bn, 1, "cooperative", 1, "tma")
+        assert g.mma_split == (2 if wide else 1)
         assert g.smem_bytes() <= a.smem_per_cta and g.stages >= MIN_STAGES
         # as many 1-byte stages as fit (capped)
         assert g.stages == 7 or Plan  # noqa: the cap
         assert (g.stages + 1) * (g.tile_m + g.bn) * g.bk + (g.smem_bytes() - g.stages * (g.tile_m + g.bn) * g.bk) \
             > a.smem_per_cta or g.stages == 7
-        assert g.promote == ("overlap" if any(g is f for f in fwd) else "serial")   # plan.FP8_PROMOTE
+        assert g.promote == ("overlap" if g is plan.gemm1 else "serial")   # plan.FP8_PROMOTE, the wide halves
     ceil = lambda k: -(-k // 128)   # noqa: E731  (a partial last K block where 128 does not divide K)
     assert (plan.gemm1.k_tiles, plan.gemm2.k_tiles) == (ceil(spec.hidden), ceil(spec.ffn))
     assert (plan.backward.dgrad1.k_tiles, plan.backward.dgrad2.k_tiles) == (ceil(spec.hidden), ceil(2 * spec.ffn))
@@ -63,9 +66,13 @@ def test_fp8_candidates_and_round_trip(name):
 
 def test_fp8_overrides():
     spec = load_spec("kimi-k2-fp8")
-    p = solve(spec)   # default: the forward GEMMs overlap their promotion, the dgrads run it serially
+    p = solve(spec)   # default: GEMM 1 overlaps its promotion; GEMM 2's and dgrad2's 256-column tiles promote
+    # their halves in turn, dgrad1 runs it serially; a promotion other than serial asks for the 128-column tile
     assert (p.gemm1.promote, p.gemm2.promote, p.backward.dgrad1.promote, p.backward.dgrad2.promote) == (
-        "overlap", "overlap", "serial", "serial")
+        "overlap", "serial", "serial", "serial")
+    assert (p.gemm2.bn, p.backward.dgrad2.bn) == (256, 256)
+    q = solve(spec, gemm2_promote="overlap")
+    assert (q.gemm2.bn, q.gemm2.promote, q.backward.dgrad2.bn) == (128, "overlap", 256)
     assert solve(spec, promote="serial").gemm1.promote == solve(spec, promote="serial").gemm2.promote == "serial"
     assert solve(spec, promote="overlap").backward.dgrad2.promote == "overlap"
     p = solve(spec, gemm2_promote="serial")
@@ -150,7 +157,7 @@ def test_fp8_tune_space(name):
                                                  "bwd_streams", "dgrad2_bn", "dgrad1_raster_group",
                                                  "dgrad2_raster_group")) for c in bwd)
     assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
-    assert {"dgrad2_bn": 256} in bwd
+    assert {"dgrad2_bn": 128} in bwd   # the default is 256 (plan.FP8_WIDE_DEFAULT)
     for cfg in fwd + bwd:
         p = solve(spec, **cfg)
         assert not configs.check_plan(p), (cfg, configs.check_plan(p))
@@ -159,11 +166,13 @@ def test_fp8_tune_space(name):
 
 @pytest.mark.parametrize("name", FP8_PRESETS)
 def test_fp8_wide_tiles(name):
-    """gemm2_bn / dgrad2_bn = 256 (mokgen.plan.fp8_widen): 128 x 256 tiles whose wgmma runs per 128-column half,
-    serial promotion, as many 48 KiB stages as fit, N tiles recounted (a partial last one on gpt-oss-120b)."""
+    """gemm2_bn / dgrad2_bn = 256 (mokgen.plan.fp8_widen, the default: plan.FP8_WIDE_DEFAULT): 128 x 256 tiles
+    whose wgmma runs per 128-column half, serial promotion, as many 48 KiB stages as fit, N tiles recounted (a
+    partial last one on gpt-oss-120b); gemm2_bn / dgrad2_bn = 128 give the 128-column form."""
     spec = load_spec(name)
-    base = solve(spec)
+    base = solve(spec, gemm2_bn=128, dgrad2_bn=128)
     p = solve(spec, gemm2_bn=256, dgrad2_bn=256)
+    assert solve(spec) == p
     for g, b in ((p.gemm2, base.gemm2), (p.backward.dgrad2, base.backward.dgrad2)):
         assert (g.bn, g.mma_split, g.promote, g.stages) == (256, 2, "serial", 4)
         assert g.n_tiles == -(-spec.hidden // 256) and g.epi_store == "ring"
@@ -171,7 +180,6 @@ def test_fp8_wide_tiles(name):
     assert p.gemm1 == base.gemm1 and p.backward.dgrad1 == base.backward.dgrad1
     assert base.gemm2.mma_split == base.backward.dgrad2.mma_split == 1
     assert not configs.check_plan(p)
-    assert solve(spec, gemm2_bn=128) == base   # the FP8 default: no change
     # the shared promote key leaves the halves serial; a GEMM's own key is refused
     q = solve(spec, gemm2_bn=256, promote="overlap")
     assert (q.gemm1.promote, q.gemm2.promote) == ("overlap", "serial")
