@@ -187,67 +187,54 @@ def test_training_matches_reference_kernels(case):
         assert err <= TOL, f"grad {name}: {err:.3e} > {TOL} against the reference kernels"
 
 
-def test_promote_modes_same_bits(case):
-    """The FP8 GEMMs' promotion modes (plan promote: serial, stagger = the two warpgroups one K block apart,
-    overlap = two per-block accumulators) add the same products in the same order per accumulator: the forward
-    and every gradient of a training step have the same bits under each (random and skewed routing)."""
-    spec, moe, inp = case
-    modes = [m for m in ("serial", "stagger", "overlap") if m != moe.plan.gemm2.promote]
+def _assert_same_step_bits(spec, m1, m2, inp, seed, what):
+    """A training step of `m1` and of `m2` (random routing, then a skewed one drawn with `seed`): y has no NaN and
+    y and every gradient have the same bits."""
     dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
+    fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=seed, routing="skewed")
 
     def step(m, c):
         y, saved = m.forward_train(c.x, c.topk_idx, c.topk_weight, c.w1, c.w2, c.b1, c.b2)
         return y, m.backward(dy, saved, c.x, c.topk_weight, c.w1, c.w2, c.b1, c.b2)
 
-    fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=2, routing="skewed")
-    cases = (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight))
-    for mode in modes:
+    for c in (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight)):
+        (y1, g1), (y2, g2) = step(m1, c), step(m2, c)
+        torch.cuda.synchronize()
+        assert not bool(y2.isnan().any()), f"{spec.name}: NaN in y with {what}"
+        assert torch.equal(bits(y1), bits(y2)), f"{spec.name}: y bits differ with {what}"
+        for name in ("x", "topk_weight", "w1", "w2"):
+            a, b = getattr(g1, name), getattr(g2, name)
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
+                f"{spec.name}: grad {name} bits differ with {what}"
+
+
+def test_promote_modes_same_bits(case):
+    """The FP8 GEMMs' promotion modes (plan promote: serial, stagger = the two warpgroups one K block apart,
+    overlap = two per-block accumulators) add the same products in the same order per accumulator: the forward
+    and every gradient of a training step have the same bits under each (random and skewed routing)."""
+    spec, moe, inp = case
+    for mode in [m for m in ("serial", "stagger", "overlap") if m != moe.plan.gemm2.promote]:
         other = mokgen.compile(spec, overrides={**OVERRIDES, "promote": mode})
-        for c in cases:
-            (y1, g1), (y2, g2) = step(moe, c), step(other, c)
-            torch.cuda.synchronize()
-            assert torch.equal(bits(y1), bits(y2)), f"{spec.name}: y bits differ with promote={mode}"
-            for name in ("x", "topk_weight", "w1", "w2"):
-                a, b = getattr(g1, name), getattr(g2, name)
-                assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
-                    f"{spec.name}: grad {name} bits differ with promote={mode}"
+        _assert_same_step_bits(spec, moe, other, inp, 2, f"promote={mode}")
         other.check_errors()
 
 
 def test_scale_load_same_bits(case):
     """Where the FP8 GEMMs read their scales (plan scale_load: "global" = the consumer threads' global loads,
     "stage" = a producer warp's copies into a shared-memory ring) changes no product and no order: the forward
-    and every gradient of a training step have the same bits under the other form, also with the 256-column
-    GEMM 2 / dgrad2 (each column half's own W scale) and with the staggered promotion (random and skewed
+    and every gradient of a training step have the same bits under the other form, also with 128-column GEMM 2 /
+    dgrad2 tiles against the default 256-column ones and with the staggered promotion (random and skewed
     routing)."""
     spec, moe, inp = case
     flip = "global" if moe.plan.gemm2.stage_scale_bytes else "stage"
-    variants = [{"scale_load": flip}, {"scale_load": "stage", "gemm2_bn": 256, "dgrad2_bn": 256},
-                {"scale_load": "stage", "promote": "stagger"}]
-    dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
-    fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=4, routing="skewed")
-    cases = (inp, inp._replace(topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight))
-
-    def step(m, c):
-        y, saved = m.forward_train(c.x, c.topk_idx, c.topk_weight, c.w1, c.w2, c.b1, c.b2)
-        return y, m.backward(dy, saved, c.x, c.topk_weight, c.w1, c.w2, c.b1, c.b2)
-
-    for ov in variants:
+    for ov in ({"scale_load": flip}, {"scale_load": "stage", "gemm2_bn": 128, "dgrad2_bn": 128},
+               {"scale_load": "stage", "promote": "stagger"}):
         other = mokgen.compile(spec, overrides={**OVERRIDES, **ov})
         staged = [n for n in ("gemm1", "gemm2") if getattr(other.plan, n).stage_scale_bytes]
         staged += [n for n in ("dgrad1", "dgrad2") if getattr(other.plan.backward, n).stage_scale_bytes]
         assert staged == ([] if ov["scale_load"] == "global" else ["gemm1", "gemm2", "dgrad1", "dgrad2"]), staged
-        for c in cases:
-            (y1, g1), (y2, g2) = step(moe, c), step(other, c)
-            torch.cuda.synchronize()
-            assert not bool(y2.isnan().any()), f"{spec.name}: NaN in y with {ov}"
-            assert torch.equal(bits(y1), bits(y2)), f"{spec.name}: y bits differ with {ov}"
-            for name in ("x", "topk_weight", "w1", "w2"):
-                a, b = getattr(g1, name), getattr(g2, name)
-                assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
-                    f"{spec.name}: grad {name} bits differ with {ov}"
+        _assert_same_step_bits(spec, moe, other, inp, 4, ov)
         other.check_errors()
 
 
