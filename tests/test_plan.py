@@ -336,6 +336,12 @@ def test_scale_load_override():
     wide = solve(spec, "sm_90a", scale_load="stage", gemm2_bn=256)
     assert wide.gemm2.mma_split == 2 and wide.gemm2.stage_scale_bytes and not configs.check_plan(wide)
     assert solve(spec, "sm_90a", scale_load="global") == base
+    bad = dataclasses.replace(p, gemm2=dataclasses.replace(p.gemm2, stage_scale_bytes=512))
+    assert configs.check_plan(bad) == ["gemm2.stage_scale_bytes 512: staged scales (scale_load stage) are an FP8 "
+                                       "GEMM's with TMA-loaded A, 528 bytes a stage"]
+    bf16 = solve(load_spec("kimi-k2"), "sm_90a")
+    assert any("stage_scale_bytes" in m for m in configs.check_plan(
+        dataclasses.replace(bf16, gemm2=dataclasses.replace(bf16.gemm2, stage_scale_bytes=528))))
     with pytest.raises(PlanError, match=r"^plan\.scale_load: must be one of global, stage, got 'smem'$"):
         solve(spec, "sm_90a", scale_load="smem")
     with pytest.raises(PlanError, match=r"^plan\.gemm2_scale_load: where the FP8 scales are read from applies to "
