@@ -326,8 +326,9 @@ def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
 # these constants are the fit of the committed records). Replaces the BF16 model for FP8 plans.
 # With it two fitted terms: FP8_WEIGHT_COEF x the e4m3 weights' bytes over HBM (the weight stream's cost beside the
 # compute: gpt-oss-120b's 3.2 GB per layer) and FP8_TILE_MS per (group x N tile) start-up. Fitted relative rms
-# error 1.9% (the BF16 model's constants on the same records: 8.4%). "stagger" has no record: serial's value.
-FP8_MAINLOOP_EFF = {(1, "overlap"): 0.850, (1, "serial"): 0.794, (1, "stagger"): 0.794,
+# error 1.9% (the BF16 model's constants on the same records: 8.4%). "stagger" has no record: serial's value;
+# GEMM 1's wide form (gemm1_bn=256, opt-in) has none either: its serial value.
+FP8_MAINLOOP_EFF = {(1, "overlap"): 0.850, (1, "serial"): 0.794, (1, "stagger"): 0.794, (1, "wide"): 0.794,
                     (2, "overlap"): 0.809, (2, "serial"): 0.772, (2, "stagger"): 0.772, (2, "wide"): 0.727}
 FP8_WEIGHT_COEF = 0.238
 FP8_TILE_MS = 0.0099e-3
@@ -905,8 +906,13 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             raise PlanError(f"plan.{key}: FP8 tiles are {' or '.join(map(str, FP8_BNS))} columns wide, got {bn}")
         if (why := fp8_wide_problem(which, g)) is not None:
             raise PlanError(f"plan.{key}: {bn} columns {why}")
-        g = fp8_widen(a, which, g, spec.hidden)   # gemm2 and dgrad2 both produce H columns
-        if which == 2:
+        if which == 1 and spec.ffn % FP8_BN:
+            raise PlanError(f"plan.{key}: {bn} columns (128 gate + 128 up) need ffn a multiple of 128, got "
+                            f"{spec.ffn}")
+        g = fp8_widen(a, which, g, spec.ffn if which == 1 else spec.hidden)   # gemm2 and dgrad2: H columns
+        if which == 1:
+            g1 = g
+        elif which == 2:
             g2 = g
         else:
             plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, dgrad2=g))
@@ -1038,9 +1044,10 @@ FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per
 FP8_PROMOTE = ("overlap", "overlap", "serial", "serial")
 
 
-# FP8 GEMMs whose tile may be 256 columns wide (mma_split 2): the plain-epilogue ones (GEMM 2: routing weight,
-# dgrad2: store). GEMM 1 (gate / up parts) and dgrad1 (dSwiGLU over z) keep 128.
-FP8_WIDE = {2: "gemm2", 4: "dgrad2"}
+# FP8 GEMMs whose tile may be 256 columns wide (mma_split 2): GEMM 2 (routing weight) and dgrad2 (store) as two
+# 128-column halves of one W tile; GEMM 1 as its two parts, 128 gate and 128 up columns, each its own wgmma half
+# (opt-in, gemm1_bn=256: not measured yet). dgrad1 (dSwiGLU over z) keeps 128.
+FP8_WIDE = {1: "gemm1", 2: "gemm2", 4: "dgrad2"}
 FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
 FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
 FP8_BNS = (FP8_BN, 2 * FP8_BN)
@@ -1067,7 +1074,7 @@ def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
 def fp8_wide_problem(which: int, g: GemmPlan) -> str | None:
     """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) cannot take 256-column tiles, or None."""
     if which not in FP8_WIDE:
-        return "applies to gemm2 and dgrad2 only (GEMM 1's gate / up parts and dgrad1's dSwiGLU keep 128 columns)"
+        return "applies to gemm1, gemm2 and dgrad2 only (dgrad1's dSwiGLU keeps 128 columns)"
     if g.cluster != 1:
         return f"needs cluster 1, got {g.cluster}"
     return None
@@ -1079,10 +1086,18 @@ def fp8_widen(arch: Arch, which: int, g: GemmPlan, n: int) -> GemmPlan:
     (128 per thread) plus one half (64), not two whole tiles. Per K block a CTA loads (128 + 256) x 128 bytes
     for 2 x 128 x 256 x 128 flops: a quarter fewer operand bytes per flop than 128 x 128 tiles (the L2-to-SM
     traffic is what bounds the 128-column FP8 GEMMs: bench/NOTES.md v14). Promotion serial (the halves take
-    turns; the two warpgroups fill each other's promotion gaps); stages: as many 48 KiB stages as fit."""
-    wide = dataclasses.replace(g, bn=2 * FP8_BN, mma_split=2, promote="serial", n_tiles=-(-n // (2 * FP8_BN)))
+    turns; the two warpgroups fill each other's promotion gaps); stages: as many 48 KiB stages as fit. GEMM 1
+    (which 1): its halves are its two parts, 128 gate and 128 up columns of W1, so a tile gives 128 outputs; its z
+    ring (training) where the wider tile's stages take it, else z by direct stores."""
+    # GEMM 1's tile N counts both parts: 128 gate + 128 up columns of its n = ffn outputs per tile
+    per_tile = FP8_BN if which == 1 else 2 * FP8_BN
+    wide = dataclasses.replace(g, bn=2 * FP8_BN, mma_split=2, promote="serial", n_tiles=-(-n // per_tile))
     wide = _fp8_fill_stages(arch, wide)
-    return _with_epi_store(wide) if g.epi_store == "ring" else wide
+    parts = 2 if which == 1 else 1
+    wide = _with_epi_store(wide, parts=parts) if g.epi_store == "ring" else wide
+    if wide.z_store == "ring" and z_ring_problem(wide) is not None:   # GEMM 1 of a training plan: z beside it
+        wide = dataclasses.replace(wide, z_store="direct")
+    return wide
 
 
 def fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan) -> GemmPlan:

@@ -152,19 +152,21 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
 
 @pytest.mark.slow
 def test_staged_fp8_scales_compile(tmp_path):
-    """``scale_load=stage``: the FP8 grouped GEMMs (overlapped, serial and 256-column split mainloops) compile for
+    """``scale_load=stage``: the FP8 grouped GEMMs (overlapped, serial, 256-column split mainloops, and GEMM 1's
+    parts as two wgmma halves with its z ring: gemm1_bn=256) compile for
     sm_90a with the scale warp's 4-byte cp.async copies and their mbarrier arrivals, the e4m3 wgmma kept in its
     pipeline (no ptxas advisory)."""
     pytest.importorskip("cutlass")
     from mokgen import build
 
-    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", scale_load="stage", dgrad2_bn=256)
+    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", scale_load="stage", gemm2_bn=128, gemm1_bn=256)
     assert (plan.gemm2.promote, plan.backward.dgrad1.promote, plan.backward.dgrad2.mma_split) == ("overlap", "serial", 2)
+    assert (plan.gemm1.mma_split, plan.gemm1.z_store) == (2, "ring")   # GEMM 1's parts as two wgmma halves
     src = emit(plan)
-    keep = {"gemm2.py", "dgrad1.py", "dgrad2.py"}
+    keep = {"gemm1_train.py", "gemm2.py", "dgrad1.py", "dgrad2.py"}
     art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
                       tmp_path, progress=False)
-    for k in ("gemm2", "dgrad1", "dgrad2"):
+    for k in ("gemm1_train", "gemm2", "dgrad1", "dgrad2"):
         ptx = (Path(art.dir) / f"{k}.ptx").read_text()
         assert ".f32.e4m3.e4m3" in ptx and "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx, k
         assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 4(, 4)?;", ptx), k

@@ -224,12 +224,15 @@ def test_scale_load_same_bits(case):
     """Where the FP8 GEMMs read their scales (plan scale_load: "global" = the consumer threads' global loads,
     "stage" = a producer warp's copies into a shared-memory ring) changes no product and no order: the forward
     and every gradient of a training step have the same bits under the other form, also with 128-column GEMM 2 /
-    dgrad2 tiles against the default 256-column ones and with the staggered promotion (random and skewed
-    routing)."""
+    dgrad2 tiles against the default 256-column ones, with GEMM 1's 256-column tile (its parts as two wgmma
+    halves; where ffn is a multiple of 128) and with the staggered promotion (random and skewed routing)."""
     spec, moe, inp = case
     flip = "global" if moe.plan.gemm2.stage_scale_bytes else "stage"
-    for ov in ({"scale_load": flip}, {"scale_load": "stage", "gemm2_bn": 128, "dgrad2_bn": 128},
-               {"scale_load": "stage", "promote": "stagger"}):
+    variants = [{"scale_load": flip}, {"scale_load": "stage", "gemm2_bn": 128, "dgrad2_bn": 128},
+                {"scale_load": "stage", "promote": "stagger"}]
+    if spec.ffn % 128 == 0:
+        variants.append({"scale_load": "stage", "gemm1_bn": 256})
+    for ov in variants:
         other = mokgen.compile(spec, overrides={**OVERRIDES, **ov})
         staged = [n for n in ("gemm1", "gemm2") if getattr(other.plan, n).stage_scale_bytes]
         staged += [n for n in ("dgrad1", "dgrad2") if getattr(other.plan.backward, n).stage_scale_bytes]

@@ -92,8 +92,8 @@ def test_fp8_overrides():
     assert solve(spec, consumer="cooperative").canonical_json() == solve(spec).canonical_json()
     with pytest.raises(PlanError, match=r"^plan\.arch: dtype fp8 is not planned for sm_100a yet"):
         solve(spec, "sm_100a")
-    assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
-        "gemm1_bn: fixed by the FP8 form (tile N 128)"]
+    assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 192}) == [
+        "gemm1_bn: FP8 tiles are 128 or 256 columns wide"]
     assert configs.check_config(spec, "sm_90a", {"schedule": "fused"}) == [
         "schedule: the FP8 forward runs the chain schedule"]
     assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == ["dgrad1_bn: the FP8 dgrad's tile is fixed (bn)"]
@@ -194,8 +194,10 @@ def test_fp8_wide_tiles(name):
 def test_fp8_wide_tiles_refused():
     spec = load_spec("kimi-k2-fp8")
     for kw, msg in (({"gemm2_bn": 192}, r"^plan\.gemm2_bn: FP8 tiles are 128 or 256 columns wide, got 192$"),
-                    ({"gemm1_bn": 256}, r"^plan\.gemm1_bn: 256 columns applies to gemm2 and dgrad2 only"),
-                    ({"dgrad1_bn": 256}, r"^plan\.dgrad1_bn: 256 columns applies to gemm2 and dgrad2 only"),
+                    ({"dgrad1_bn": 256}, r"^plan\.dgrad1_bn: 256 columns applies to gemm1, gemm2 and dgrad2 only"),
+                    ({"gemm1_bn": 256, "gemm1_promote": "overlap"},
+                     r"^plan\.gemm1_promote: overlap needs 128-column FP8 tiles"),
+                    ({"gemm1_bn": 256, "cluster": 2}, r"^plan\.gemm1_bn: 256 columns needs cluster 1, got 2$"),
                     ({"gemm2_bn": 256, "cluster": 2}, r"^plan\.gemm2_bn: 256 columns needs cluster 1, got 2$"),
                     ({"gemm2_bn": 256, "gemm2_promote": "overlap"},
                      r"^plan\.gemm2_promote: overlap needs 128-column FP8 tiles"),
@@ -211,3 +213,31 @@ def test_fp8_wide_tiles_refused():
         "gemm2_bn: 256 columns need cluster 1"]
     assert any("mma_split" in m for m in configs.check_plan(dataclasses.replace(
         solve(spec), gemm1=dataclasses.replace(solve(spec).gemm1, mma_split=2))))
+
+
+@pytest.mark.parametrize("name", FP8_PRESETS)
+def test_fp8_wide_gemm1(name):
+    """gemm1_bn=256 (opt-in, not measured yet): GEMM 1's two parts, 128 gate and 128 up columns, each its own
+    wgmma half into the per-block accumulator, promoted in turn into the (128, 256) fp32 tile; 128 outputs per
+    tile, z through the ring as before, 48 KiB stages; ffn must be a multiple of 128 (gpt-oss-120b's 2880 is not)."""
+    spec = load_spec(name)
+    if spec.ffn % 128:
+        with pytest.raises(PlanError, match=r"^plan\.gemm1_bn: 256 columns \(128 gate \+ 128 up\) need ffn a "
+                                            r"multiple of 128, got 2880$"):
+            solve(spec, gemm1_bn=256)
+        assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
+            "gemm1_bn: 256 columns (128 per part) need ffn a multiple of 128"]
+        return
+    base, p = solve(spec), solve(spec, gemm1_bn=256)
+    g = p.gemm1
+    assert (g.bn, g.mma_split, g.promote, g.stages, g.n_tiles) == (256, 2, "serial", 4, spec.ffn // 128)
+    assert (g.z_store, g.epi_store) == (base.gemm1.z_store, base.gemm1.epi_store) == ("ring", "ring")
+    assert p.gemm2 == base.gemm2 and p.backward.dgrad1 == base.backward.dgrad1 and not configs.check_plan(p)
+    assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == []
+    files = emit(p).files
+    for f in ("gemm1.py", "gemm1_train.py"):
+        src = files[f]
+        assert "MMA_SPLIT = 2" in src and "BN = 128 " in src and "PARTS = 2" in src
+        assert "tCrB_h = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB[p])) for p in range(PARTS)]" in src
+        assert "mma_half" not in src and "sb_rows[p] = (n * BN * SB_N + p * SB_P) // 128" in src
+    assert "MMA_SPLIT" not in emit(base).files["gemm1.py"]
