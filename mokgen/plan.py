@@ -1012,7 +1012,7 @@ def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = Non
 
     def form(which: int, g: GemmPlan) -> GemmPlan:
         g = fp8_gemm(spec, a, which, g)
-        name = {2: "gemm2", 4: "dgrad2"}.get(which)
+        name = {w: n for n, w in FP8_WIDE_DEFAULT}.get(which)
         return fp8_widen(a, which, g, spec.hidden) if name in wide and fp8_wide_problem(which, g) is None else g
 
     backward = plan.backward
@@ -1084,8 +1084,8 @@ def fp8_widen(arch: Arch, which: int, g: GemmPlan, n: int) -> GemmPlan:
     """FP8 GEMM `g` with 256-column tiles: the wgmma runs per 128-column half (mma_split 2) into the per-block
     accumulator, each half promoted as soon as its wgmma retires, so the registers hold the 128 x 256 fp32 tile
     (128 per thread) plus one half (64), not two whole tiles. Per K block a CTA loads (128 + 256) x 128 bytes
-    for 2 x 128 x 256 x 128 flops: a quarter fewer operand bytes per flop than 128 x 128 tiles (the L2-to-SM
-    traffic is what bounds the 128-column FP8 GEMMs: bench/NOTES.md v14). Promotion serial (the halves take
+    for 2 x 128 x 256 x 128 flops: a quarter fewer operand bytes per flop than 128 x 128 tiles (on the H100 the
+    128-column FP8 GEMMs run near the L2's bandwidth: bench/NOTES.md v21). Promotion serial (the halves take
     turns; the two warpgroups fill each other's promotion gaps); stages: as many 48 KiB stages as fit. GEMM 1
     (which 1): its halves are its two parts, 128 gate and 128 up columns of W1, so a tile gives 128 outputs; its z
     ring (training) where the wider tile's stages take it, else z by direct stores."""
