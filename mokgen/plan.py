@@ -1427,8 +1427,10 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
         "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" if which == 1 else
                    "h's used rows quantized by quant_rows_used, read by TMA tiles"),
-        (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2; GEMM 2's default, FP8_WIDE_DEFAULT, "
-         f"{('gemm1', 'gemm2')[which - 1]}_bn=128 for 128 columns): the accumulator ({_acc_regs(g.bn)} fp32 registers per consumer thread) plus one half-width "
+        (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2; "
+         + ("GEMM 1's two parts, 128 gate and 128 up columns: the override gemm1_bn=256" if which == 1 else
+            "GEMM 2's default, FP8_WIDE_DEFAULT; gemm2_bn=128 for 128 columns")
+         + f"): the accumulator ({_acc_regs(g.bn)} fp32 registers per consumer thread) plus one half-width "
          f"per-block one ({_acc_regs(g.bn // 2)}), each half promoted in turn; a quarter fewer operand bytes per "
          f"flop than 128 columns" if g.mma_split == 2 else
          f"  bn = {g.bn} (the accumulator plus the promotion's per-block one, 2 x {_acc_regs(g.bn)} fp32 "
