@@ -239,10 +239,8 @@ def check_plan(plan: Any) -> list[str]:
                                  or name == "backward.dgrad1" or (name == "gemm1" and g.bn != 2 * P.FP8_BN)):
             out.append(f"{name}.mma_split {g.mma_split}: 2 only for FP8 gemm1 (its two 128-column parts) / gemm2 / "
                        f"dgrad2 tiles with serial promotion")
-        if g.stage_scale_bytes and (g.elem_bytes != 1 or g.a_load != "tma"
-                                    or g.stage_scale_bytes != P.stage_scale_bytes(g)):
-            out.append(f"{name}.stage_scale_bytes {g.stage_scale_bytes}: staged scales (scale_load stage) are an FP8 "
-                       f"GEMM's with TMA-loaded A, {P.stage_scale_bytes(g)} bytes a stage")
+        if (why := P.stage_scales_problem(g)) is not None:
+            out.append(f"{name}.stage_scale_bytes {g.stage_scale_bytes}: {why}")
         if g.promote not in sp_.values("promote", "gemm1"):
             out.append(f"{name}.promote {g.promote!r} not in the space")
         elif g.promote != "serial" and g.elem_bytes != 1:

@@ -18,7 +18,7 @@ from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation,
                         _w1_strides, template_hash)
 from . import kernels
 from .sm100 import emit as _sm100_emit
-from .plan import L2_HINTS, Plan, epi_ring_problem, stage_scale_bytes, z_ring_problem, z_stage_problem
+from .plan import L2_HINTS, Plan, epi_ring_problem, stage_scales_problem, z_ring_problem, z_stage_problem
 
 __all__ = ["EXPERIMENTS", "EmitError", "Sources", "TEMPLATE_DIR", "emit", "emit_fp8_quant", "template_hash"]
 
@@ -179,16 +179,13 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
 def _stage_scales(what: str, g: Any, *, a_rows: bool) -> bool:
     """Whether FP8 GEMM `g` stages its scales in shared memory (plan stage_scale_bytes, the scale_load "stage"
     form): a producer warp copies each K block's A-row and W-block scales into a ring of their own, so the
-    consumers' promotion reads shared memory instead of waiting on global loads. A tile's A rows must be
-    contiguous rows of the scale tensor (TMA-loaded A tiles, not one box per gathered row)."""
+    consumers' promotion reads shared memory instead of waiting on global loads (checked: stage_scales_problem;
+    one TMA box per gathered row, a_rows, is no tile of contiguous rows either)."""
     if g.stage_scale_bytes == 0:
         return False
-    if g.stage_scale_bytes != stage_scale_bytes(g):
-        raise EmitError(f"{what}.stage_scale_bytes: the staged scales take {stage_scale_bytes(g)} bytes a stage "
-                        f"(tile rows + 4 W scales, fp32), got {g.stage_scale_bytes}")
-    if a_rows or g.a_load != "tma":
-        raise EmitError(f"{what}.stage_scale_bytes: staged scales need TMA-loaded A tiles (a_load tma), got "
-                        f"{g.a_load}")
+    if (why := stage_scales_problem(g)) is not None or a_rows:
+        raise EmitError(f"{what}.stage_scale_bytes {g.stage_scale_bytes}: "
+                        f"{why or 'staged scales need TMA-loaded A tiles, not one box per gathered row'}")
     return True
 
 

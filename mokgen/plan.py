@@ -971,16 +971,26 @@ def stage_scale_bytes(g: GemmPlan) -> int:
     return (g.tile_m + 4) * 4
 
 
+def stage_scales_problem(g: GemmPlan) -> str | None:
+    """Why forward / dgrad GEMM `g`'s stage_scale_bytes is not the staged-scale form's, or None (0: global loads).
+    The form's scale warp copies a tile's rows of the scale tensor, so A must come in TMA tiles of contiguous rows."""
+    if g.stage_scale_bytes and (g.elem_bytes != 1 or g.a_load != "tma"
+                                or g.stage_scale_bytes != stage_scale_bytes(g)):
+        return (f"staged scales (scale_load stage) are an FP8 GEMM's with TMA-loaded A, {stage_scale_bytes(g)} "
+                f"bytes a stage")
+    return None
+
+
 def _scale_load_override(a: Arch, g: GemmPlan, key: str, mode: Any) -> GemmPlan:
     """FP8 GEMM `g` with its scales read as override `key` asks ("global" or "stage"), with as many stages as
     then fit (the staged form's scale ring takes shared memory)."""
     legal = _SPACE.values("scale_load", "gemm1")
     if mode not in legal:
         raise PlanError(f"plan.{key}: must be one of {', '.join(legal)}, got {mode!r}")
-    if mode == "stage" and g.a_load != "tma":
-        raise PlanError(f"plan.{key}: staged scales need TMA-loaded A tiles (a_load tma), got {g.a_load}")
-    return _fp8_fill_stages(a, dataclasses.replace(g, stage_scale_bytes=stage_scale_bytes(g) if mode == "stage"
-                                                    else 0))
+    g = dataclasses.replace(g, stage_scale_bytes=stage_scale_bytes(g) if mode == "stage" else 0)
+    if (why := stage_scales_problem(g)) is not None:
+        raise PlanError(f"plan.{key}: {why}, got a_load {g.a_load}")
+    return _fp8_fill_stages(a, g)
 
 
 def stagger_problem(g: GemmPlan) -> str | None:
