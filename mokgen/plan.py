@@ -956,13 +956,7 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                 mode = "serial"
             gemms[name] = dataclasses.replace(gemms[name], promote=mode)
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
-    chunk = max(_chunk_rows(a, gemms["gemm1"].n_tiles, plan.bm), _chunk_rows(a, gemms["gemm2"].n_tiles, plan.bm))
-    # the automatic notes (a partial N tile, ...) of the tiles the overrides gave, not of those fp8_plan chose
-    old_auto = _auto_notes(spec, a, plan.gemm2, *_costs(spec, a, plan.gemm1, plan.gemm2)[:2])
-    notes = (_auto_notes(spec, a, gemms["gemm2"], *_costs(spec, a, gemms["gemm1"], gemms["gemm2"])[:2])
-             + tuple(n for n in plan.notes if n not in old_auto))
-    return _with_prediction(spec, a, dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"],
-                                                         backward=backward, chunk_rows=chunk, notes=notes))
+    return _with_forward_gemms(spec, a, dataclasses.replace(plan, backward=backward), gemms["gemm1"], gemms["gemm2"])
 
 
 def stage_scale_bytes(g: GemmPlan) -> int:
@@ -1029,17 +1023,23 @@ def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = Non
     if backward is not None:
         backward = dataclasses.replace(backward, dgrad1=fp8_gemm(spec, a, 3, backward.dgrad1),
                                        dgrad2=form(4, backward.dgrad2))
-    g1, g2 = fp8_gemm(spec, a, 1, plan.gemm1), form(2, plan.gemm2)
-    # the BF16 GEMMs' automatic notes (a partial N tile of their tile N, ...) do not describe the FP8 tiles
-    bf16_auto = set(_auto_notes(spec, a, plan.gemm2, *_costs(spec, a, plan.gemm1, plan.gemm2)[:2]))
+    note = ("fp8: e4m3 forward and dgrad GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's recipe); BF16 "
+            "weight-gradient GEMMs; the forward's predicted time is the FP8 model's (fitted to the FP8 forward "
+            "records)")
+    return _with_forward_gemms(spec, a, dataclasses.replace(plan, schedule="chain", backward=backward,
+                                                            notes=plan.notes + (note,)),
+                               fp8_gemm(spec, a, 1, plan.gemm1), form(2, plan.gemm2))
+
+
+def _with_forward_gemms(spec: Spec, a: Arch, plan: Plan, g1: GemmPlan, g2: GemmPlan) -> Plan:
+    """`plan` with forward GEMMs `g1`, `g2` (new tiles: the FP8 form, an FP8 tile override) and what follows from
+    them: the MoK chunk (chunk_rows, from their N tiles), the automatic notes (a partial N tile, ...: those of
+    plan's GEMMs replaced by those of the new ones) and the predicted time."""
+    old_auto = set(_auto_notes(spec, a, plan.gemm2, *_costs(spec, a, plan.gemm1, plan.gemm2)[:2]))
     notes = (_auto_notes(spec, a, g2, *_costs(spec, a, g1, g2)[:2])
-             + tuple(n for n in plan.notes if n not in bf16_auto)
-             + ("fp8: e4m3 forward and dgrad GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's "
-                "recipe); BF16 weight-gradient GEMMs; the forward's predicted time is the FP8 model's "
-                "(fitted to the FP8 forward records)",))
+             + tuple(n for n in plan.notes if n not in old_auto))
     chunk = max(_chunk_rows(a, g1.n_tiles, plan.bm), _chunk_rows(a, g2.n_tiles, plan.bm))
-    return _with_prediction(spec, a, dataclasses.replace(
-        plan, gemm1=g1, gemm2=g2, schedule="chain", notes=notes, backward=backward, chunk_rows=chunk))
+    return _with_prediction(spec, a, dataclasses.replace(plan, gemm1=g1, gemm2=g2, notes=notes, chunk_rows=chunk))
 
 
 # ---- FP8 (e4m3, blockwise scales) ----------------------------------------------------------------------------
