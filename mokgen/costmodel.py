@@ -511,7 +511,7 @@ FP8_RUNS = ("2026-12-04 twelfth session, device call 1", "2026-12-04 twelfth ses
             "2026-12-04 twelfth session, device call 5")
 FP8_SERIAL_RUNS = ("2026-12-04 twelfth session, device call 3",)
 FP8_BENCH_FILES = (_REPO / "bench" / "results" / "forward-h200.json", _REPO / "bench" / "results" / "fp8-h200.json")
-FP8_RECORD_BN = 128   # GEMM 2's and dgrad2's FP8 tile N in every FP8_RUNS record without a *_bn override
+FP8_RECORD_BN = 128   # every FP8 GEMM's tile N in the FP8_RUNS records without a *_bn override
 FP8_PRIOR_EFF = 0.75   # before any FP8 record: the FP8 GEMMs' tensor pipe was 58-71% active under ncu (NOTES v14)
 FP8_FIT_KEYS = ((1, "overlap"), (1, "serial"), (2, "overlap"), (2, "serial"), (2, "wide"))
 
@@ -540,9 +540,9 @@ def fp8_records(paths: Iterable[Path] = FP8_BENCH_FILES, arch: str = "sm_90a") -
             ms, d = r.get("median_ms"), r.get("dims") or {}
             if not isinstance(ms, (int, float)) or ms <= 0 or not d.get("T"):
                 continue
-            # the tiles these runs had: GEMM 2 and dgrad2 at 128 columns unless the overrides said 256 (the
-            # 256-column default, plan.FP8_WIDE_DEFAULT, came later): solve that plan, not today's default
-            ov = {"gemm2_bn": FP8_RECORD_BN, "dgrad2_bn": FP8_RECORD_BN, **ov}
+            # the tiles these runs had: GEMM 1, GEMM 2 and dgrad2 at 128 columns unless the overrides said 256
+            # (the 256-column defaults, plan.FP8_WIDE_DEFAULT, came later): solve that plan, not today's default
+            ov = {"gemm1_bn": FP8_RECORD_BN, "gemm2_bn": FP8_RECORD_BN, "dgrad2_bn": FP8_RECORD_BN, **ov}
             try:
                 spec = load_spec(shape)
                 if spec.dtype != "fp8":

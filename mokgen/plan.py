@@ -327,7 +327,8 @@ def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
 # With it two fitted terms: FP8_WEIGHT_COEF x the e4m3 weights' bytes over HBM (the weight stream's cost beside the
 # compute: gpt-oss-120b's 3.2 GB per layer) and FP8_TILE_MS per (group x N tile) start-up. Fitted relative rms
 # error 1.9% (the BF16 model's constants on the same records: 8.4%). "stagger" has no record: serial's value;
-# GEMM 1's wide form (gemm1_bn=256, opt-in) has none either: its serial value.
+# GEMM 1's wide form (the default since bench/NOTES.md v26) has no H200 record either: its serial value, which
+# predicts it slower than the 128-column overlap form it replaced (on the H100 it ran 4-10% faster).
 FP8_MAINLOOP_EFF = {(1, "overlap"): 0.850, (1, "serial"): 0.794, (1, "stagger"): 0.794, (1, "wide"): 0.794,
                     (2, "overlap"): 0.809, (2, "serial"): 0.772, (2, "stagger"): 0.772, (2, "wide"): 0.727}
 FP8_WEIGHT_COEF = 0.238
@@ -904,11 +905,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             continue
         if bn not in FP8_BNS:
             raise PlanError(f"plan.{key}: FP8 tiles are {' or '.join(map(str, FP8_BNS))} columns wide, got {bn}")
-        if (why := fp8_wide_problem(which, g)) is not None:
+        if (why := fp8_wide_problem(spec, which, g)) is not None:
             raise PlanError(f"plan.{key}: {bn} columns {why}")
-        if which == 1 and spec.ffn % FP8_BN:
-            raise PlanError(f"plan.{key}: {bn} columns (128 gate + 128 up) need ffn a multiple of 128, got "
-                            f"{spec.ffn}")
         g = fp8_widen(a, which, g, spec.ffn if which == 1 else spec.hidden)   # gemm2 and dgrad2: H columns
         if which == 1:
             g1 = g
@@ -1017,7 +1015,9 @@ def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = Non
     def form(which: int, g: GemmPlan) -> GemmPlan:
         g = fp8_gemm(spec, a, which, g)
         name = {w: n for n, w in FP8_WIDE_DEFAULT}.get(which)
-        return fp8_widen(a, which, g, spec.hidden) if name in wide and fp8_wide_problem(which, g) is None else g
+        if name not in wide or fp8_wide_problem(spec, which, g) is not None:
+            return g
+        return fp8_widen(a, which, g, spec.ffn if which == 1 else spec.hidden)
 
     backward = plan.backward
     if backward is not None:
@@ -1028,7 +1028,7 @@ def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = Non
             "records)")
     return _with_forward_gemms(spec, a, dataclasses.replace(plan, schedule="chain", backward=backward,
                                                             notes=plan.notes + (note,)),
-                               fp8_gemm(spec, a, 1, plan.gemm1), form(2, plan.gemm2))
+                               form(1, plan.gemm1), form(2, plan.gemm2))
 
 
 def _with_forward_gemms(spec: Spec, a: Arch, plan: Plan, g1: GemmPlan, g2: GemmPlan) -> Plan:
@@ -1056,7 +1056,7 @@ FP8_PROMOTE = ("overlap", "overlap", "serial", "serial")
 
 # FP8 GEMMs whose tile may be 256 columns wide (mma_split 2): GEMM 2 (routing weight) and dgrad2 (store) as two
 # 128-column halves of one W tile; GEMM 1 as its two parts, 128 gate and 128 up columns, each its own wgmma half
-# (opt-in, gemm1_bn=256: not measured yet). dgrad1 (dSwiGLU over z) keeps 128.
+# (where ffn is a multiple of 128). dgrad1 (dSwiGLU over z) keeps 128.
 FP8_WIDE = {1: "gemm1", 2: "gemm2", 4: "dgrad2"}
 FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
 FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
@@ -1064,12 +1064,16 @@ FP8_BNS = (FP8_BN, 2 * FP8_BN)
 
 
 # The FP8 GEMMs that take 256-column tiles (fp8_widen) by default, where the GEMM's tile is not asked for otherwise
-# (_fp8_tile_asked). Measured on an H100, forward+backward with both wide against both 128 columns, one process,
-# bench_backward 3 rounds (bench/NOTES.md v25): kimi-k2 6.150 vs 6.407 ms (and 6.165 vs 6.615 in 2 rounds),
-# glm-5 5.344 vs 5.390, qwen3.5-397b-a17b 2.476 vs 2.501; on the H200 (v14) kimi-k2 6.835 vs 6.865, gpt-oss-120b
-# 7.715 vs 7.875. The forward alone moves -5% to +2% either way (GEMM 2's tile; GEMM 2 runs in the training
-# step too); same bits (tests/test_gpu_fp8.py::test_scale_load_same_bits).
-FP8_WIDE_DEFAULT = (("gemm2", 2), ("dgrad2", 4))
+# (_fp8_tile_asked) and it can (fp8_wide_problem: GEMM 1 needs ffn a multiple of 128). Measured on an H100, one
+# process, bench_backward 3 rounds (bench/NOTES.md v25, v26):
+# - GEMM 2 and dgrad2, both wide against both 128 columns, forward+backward: kimi-k2 6.150 vs 6.407 ms (and 6.165
+#   vs 6.615 in 2 rounds), glm-5 5.344 vs 5.390, qwen3.5-397b-a17b 2.476 vs 2.501; on the H200 (v14) kimi-k2 6.835
+#   vs 6.865, gpt-oss-120b 7.715 vs 7.875. The forward alone moves -5% to +2% either way.
+# - GEMM 1 too (its 128-column form promotes with overlap, the wide one serial), forward / forward+backward against
+#   GEMM 2 and dgrad2 wide alone: kimi-k2 1.797 / 5.901 vs 1.988 / 6.239 ms, glm-5 1.559 / 5.095 vs 1.638 / 5.269,
+#   qwen3.5-397b-a17b 0.713 / 2.447 vs 0.791 / 2.474, deepseek-v4-pro 1.988 / 6.651 vs 2.217 / 6.741.
+# Same bits (tests/test_gpu_fp8.py::test_scale_load_same_bits).
+FP8_WIDE_DEFAULT = (("gemm1", 1), ("gemm2", 2), ("dgrad2", 4))
 
 
 def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
@@ -1081,10 +1085,12 @@ def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
             or str(cluster) != "1")
 
 
-def fp8_wide_problem(which: int, g: GemmPlan) -> str | None:
-    """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) cannot take 256-column tiles, or None."""
+def fp8_wide_problem(spec: Spec, which: int, g: GemmPlan) -> str | None:
+    """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) of `spec` cannot take 256-column tiles, or None."""
     if which not in FP8_WIDE:
         return "applies to gemm1, gemm2 and dgrad2 only (dgrad1's dSwiGLU keeps 128 columns)"
+    if which == 1 and spec.ffn % FP8_BN:
+        return f"(128 gate + 128 up) need ffn a multiple of 128, got {spec.ffn}"
     if g.cluster != 1:
         return f"needs cluster 1, got {g.cluster}"
     return None

@@ -38,9 +38,9 @@ SEARCH_AXES = ("schedule", "gemm1_bn", "gemm2_bn", "gemm1_consumer", "gemm2_cons
 
 # The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
 # schedule: mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape:
-# bench/NOTES.md v13), GEMM 2's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14) and the W-tile
-# cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
-FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm2_bn", "cluster")
+# bench/NOTES.md v13), each forward GEMM's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14, v26) and
+# the W-tile cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
+FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm1_bn", "gemm2_bn", "cluster")
 
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are

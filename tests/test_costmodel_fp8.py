@@ -23,7 +23,9 @@ def test_records_cover_the_six_shapes(fitted):
     assert len(recs) >= 19 and len(names) == 6, names
     assert all(r.spec["dtype"] == "fp8" and r.ms > 0 for r in recs)
     kinds = {tuple(sorted(r.overrides)) for r in recs}   # each with the tiles it ran (costmodel.FP8_RECORD_BN)
-    assert ("dgrad2_bn", "gemm2_bn") in kinds and ("dgrad2_bn", "gemm1_promote", "gemm2_bn", "gemm2_promote") in kinds
+    assert ("dgrad2_bn", "gemm1_bn", "gemm2_bn") in kinds
+    assert ("dgrad2_bn", "gemm1_bn", "gemm1_promote", "gemm2_bn", "gemm2_promote") in kinds
+    assert {r.overrides["gemm1_bn"] for r in recs} == {128}
     assert {r.overrides["gemm2_bn"] for r in recs} == {128, 256}
 
 
@@ -50,15 +52,15 @@ def test_fit_reacts_to_its_inputs(fitted):
 
 def test_plan_predictions_follow_the_measurements():
     """The FP8 plans' predicted forward times (what plan --explain prints) against the default-plan records of
-    the six shapes (fp8-h200.json, device call 5), for the plan those runs had: GEMM 2 and dgrad2 at 128 columns
-    (the 256-column default, plan.FP8_WIDE_DEFAULT, came later)."""
+    the six shapes (fp8-h200.json, device call 5), for the plan those runs had: GEMM 1, GEMM 2 and dgrad2 at 128
+    columns (the 256-column defaults, plan.FP8_WIDE_DEFAULT, came later)."""
     want = {"kimi-k2": 1.808, "deepseek-v4-pro": 2.006, "glm-5": 1.542, "qwen3.5-397b-a17b": 0.698,
             "qwen3-30b-a3b": 0.530, "gpt-oss-120b": 1.548}
     for name, ms in want.items():
         spec = load_spec(name)
         spec = dataclasses.replace(spec, name=name + "-fp8", dtype="fp8",
                                    tokens=4096 if name in ("qwen3-30b-a3b", "gpt-oss-120b") else 2048)
-        got = P.solve(spec, "sm_90a", gemm2_bn=128, dgrad2_bn=128).predicted_ms
+        got = P.solve(spec, "sm_90a", gemm1_bn=128, gemm2_bn=128, dgrad2_bn=128).predicted_ms
         assert got == pytest.approx(ms, rel=0.06), (name, got, ms)
 
 
@@ -68,7 +70,8 @@ def test_tune_model_ranks_fp8_plans_by_the_fp8_model():
         p = P.solve(spec, "sm_90a", **ov)
         assert C.predict(C.PRIORS, C.features(spec, p), spec.tokens) == pytest.approx(p.predicted_ms, rel=0.01)
     fast, slow = (C.predict(C.PRIORS, C.features(spec, P.solve(spec, "sm_90a", **ov)), spec.tokens)
-                  for ov in ({}, {"promote": "serial"}))
+                  for ov in ({"gemm1_bn": 128, "gemm2_bn": 128}, {"promote": "serial", "gemm1_bn": 128,
+                                                                  "gemm2_bn": 128}))
     assert fast < slow
     bf16 = C.fit(C.bench_records())
     assert "fp8" not in bf16.fitted_terms and bf16.theta["fp8"] == 1.0

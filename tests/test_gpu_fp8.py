@@ -231,7 +231,7 @@ def test_scale_load_same_bits(case):
     variants = [{"scale_load": flip}, {"scale_load": "stage", "gemm2_bn": 128, "dgrad2_bn": 128},
                 {"scale_load": "stage", "promote": "stagger"}]
     if spec.ffn % 128 == 0:
-        variants.append({"scale_load": "stage", "gemm1_bn": 256})
+        variants += [{"scale_load": "stage", "gemm1_bn": 256}, {"scale_load": "global", "gemm1_bn": 256}]
     for ov in variants:
         other = mokgen.compile(spec, overrides={**OVERRIDES, **ov})
         staged = [n for n in ("gemm1", "gemm2") if getattr(other.plan, n).stage_scale_bytes]

@@ -27,8 +27,9 @@ def test_fp8_plan_constraints(name):
     bwd = (plan.backward.dgrad1, plan.backward.dgrad2)
     for g in fwd + bwd:
         # dgrad1's dSwiGLU tiles divide ffn: 64 columns where 128 does not (gpt-oss-120b's 2880); GEMM 2 and dgrad2
-        # take 256-column tiles in two wgmma halves (plan.FP8_WIDE_DEFAULT)
-        wide = g is plan.gemm2 or g is plan.backward.dgrad2
+        # take 256-column tiles in two wgmma halves (plan.FP8_WIDE_DEFAULT), GEMM 1 too (its two parts) where 128
+        # divides ffn
+        wide = g is plan.gemm2 or g is plan.backward.dgrad2 or (g is plan.gemm1 and spec.ffn % 128 == 0)
         bn = 64 if g is plan.backward.dgrad1 and spec.ffn % 128 else (256 if wide else 128)
         assert (g.bk, g.bn, g.elem_bytes, g.consumer, g.cluster, g.a_load) == (128, bn, 1, "cooperative", 1, "tma")
         assert g.mma_split == (2 if wide else 1)
@@ -37,7 +38,7 @@ def test_fp8_plan_constraints(name):
         assert g.stages == 7 or Plan  # noqa: the cap
         assert (g.stages + 1) * (g.tile_m + g.bn) * g.bk + (g.smem_bytes() - g.stages * (g.tile_m + g.bn) * g.bk) \
             > a.smem_per_cta or g.stages == 7
-        assert g.promote == ("overlap" if g is plan.gemm1 else "serial")   # plan.FP8_PROMOTE, the wide halves
+        assert g.promote == ("overlap" if g is plan.gemm1 and not wide else "serial")   # FP8_PROMOTE, wide halves
     ceil = lambda k: -(-k // 128)   # noqa: E731  (a partial last K block where 128 does not divide K)
     assert (plan.gemm1.k_tiles, plan.gemm2.k_tiles) == (ceil(spec.hidden), ceil(spec.ffn))
     assert (plan.backward.dgrad1.k_tiles, plan.backward.dgrad2.k_tiles) == (ceil(spec.hidden), ceil(2 * spec.ffn))
@@ -66,17 +67,26 @@ def test_fp8_candidates_and_round_trip(name):
 
 def test_fp8_overrides():
     spec = load_spec("kimi-k2-fp8")
-    p = solve(spec)   # default: GEMM 1 overlaps its promotion; GEMM 2's and dgrad2's 256-column tiles promote
-    # their halves in turn, dgrad1 runs it serially; a promotion other than serial asks for the 128-column tile
+    p = solve(spec)   # default: GEMM 1's, GEMM 2's and dgrad2's 256-column tiles promote their halves in turn,
+    # dgrad1 runs it serially; a promotion other than serial asks for the 128-column tile
     assert (p.gemm1.promote, p.gemm2.promote, p.backward.dgrad1.promote, p.backward.dgrad2.promote) == (
-        "overlap", "serial", "serial", "serial")
-    assert (p.gemm2.bn, p.backward.dgrad2.bn) == (256, 256)
+        "serial", "serial", "serial", "serial")
+    assert (p.gemm1.bn, p.gemm2.bn, p.backward.dgrad2.bn) == (256, 256, 256)
     q = solve(spec, gemm2_promote="overlap")
-    assert (q.gemm2.bn, q.gemm2.promote, q.backward.dgrad2.bn) == (128, "overlap", 256)
+    assert (q.gemm1.bn, q.gemm2.bn, q.gemm2.promote, q.backward.dgrad2.bn) == (256, 128, "overlap", 256)
+    q = solve(spec, gemm1_promote="overlap")   # GEMM 1's 128-column form, the default before bench/NOTES.md v26
+    assert (q.gemm1.bn, q.gemm1.mma_split, q.gemm1.promote, q.gemm2.bn) == (128, 1, "overlap", 256)
+    assert q.canonical_json() == solve(spec, gemm1_bn=128).canonical_json()
     assert solve(spec, promote="serial").gemm1.promote == solve(spec, promote="serial").gemm2.promote == "serial"
     assert solve(spec, promote="overlap").backward.dgrad2.promote == "overlap"
     p = solve(spec, gemm2_promote="serial")
-    assert (p.gemm1.promote, p.gemm2.promote) == ("overlap", "serial")
+    assert (p.gemm1.promote, p.gemm2.promote) == ("serial", "serial")
+    # gpt-oss-120b's ffn (2880) is no multiple of 128: its GEMM 1 keeps the 128-column tile (overlap)
+    g = solve(load_spec("gpt-oss-120b-fp8")).gemm1
+    assert (g.bn, g.mma_split, g.promote) == (128, 1, "overlap")
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_bn: 256 columns \(128 gate \+ 128 up\) need ffn a multiple "
+                                        r"of 128, got 2880$"):
+        solve(load_spec("gpt-oss-120b-fp8"), gemm1_bn=256)
     assert solve(spec, gemm2_stages=4).gemm2.stages == 4
     with pytest.raises(PlanError, match=r"^plan\.gemm2_stages: must be in \[3, 6\]"):
         solve(spec, gemm2_stages=7)
@@ -141,16 +151,18 @@ def test_fp8_emit():
 
 @pytest.mark.parametrize("name", FP8_PRESETS)
 def test_fp8_tune_space(name):
-    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion mode forward; the dgrads' output
+    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion modes, the tiles' N and the
+    cluster forward; the dgrads' output
     path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
     modes = ("serial", "stagger", "overlap")
-    # GEMM 2's 256-column tiles promote their halves in turn (serial) and take no cluster
+    # 256-column tiles promote their halves in turn (serial) and take no cluster; GEMM 1's need ffn % 128 == 0
     assert sorted(map(str, fwd)) == sorted(map(str, [
-        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm2_bn": bn, "cluster": c}
-        for p1 in modes for p2 in modes for bn in (128, 256) for c in (1, 2)
-        if bn == 128 or (p2 == "serial" and c == 1)]))
+        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm1_bn": b1, "gemm2_bn": bn, "cluster": c}
+        for p1 in modes for p2 in modes for b1 in (128, 256) for bn in (128, 256) for c in (1, 2)
+        if (bn == 128 or (p2 == "serial" and c == 1))
+        and (b1 == 128 or (p1 == "serial" and c == 1 and spec.ffn % 128 == 0))]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
@@ -188,7 +200,8 @@ def test_fp8_wide_tiles(name):
         src = files[f]
         assert "MMA_SPLIT = 2" in src and "BN = 256" in src and "mma_half" in src and "tCrB_h" in src
         assert "sb_rows[p] = cutlass.min((n * BN + p * (BN // 2)) * SB_N // 128, SB_ROWS - 1)" in src
-    assert "MMA_SPLIT" not in files["gemm1.py"] and "MMA_SPLIT" not in emit(base).files["gemm2.py"]
+    assert ("MMA_SPLIT" in files["gemm1.py"]) == (spec.ffn % 128 == 0)   # GEMM 1's own wide default
+    assert "MMA_SPLIT" not in emit(base).files["gemm2.py"]
 
 
 def test_fp8_wide_tiles_refused():
@@ -211,15 +224,17 @@ def test_fp8_wide_tiles_refused():
         "gemm2_bn: 256 columns promote their halves in turn (serial), not overlap"]
     assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "cluster": 2}) == [
         "gemm2_bn: 256 columns need cluster 1"]
+    narrow = solve(spec, gemm1_bn=128)
     assert any("mma_split" in m for m in configs.check_plan(dataclasses.replace(
-        solve(spec), gemm1=dataclasses.replace(solve(spec).gemm1, mma_split=2))))
+        narrow, gemm1=dataclasses.replace(narrow.gemm1, mma_split=2))))
 
 
 @pytest.mark.parametrize("name", FP8_PRESETS)
 def test_fp8_wide_gemm1(name):
-    """gemm1_bn=256 (opt-in, not measured yet): GEMM 1's two parts, 128 gate and 128 up columns, each its own
-    wgmma half into the per-block accumulator, promoted in turn into the (128, 256) fp32 tile; 128 outputs per
-    tile, z through the ring as before, 48 KiB stages; ffn must be a multiple of 128 (gpt-oss-120b's 2880 is not)."""
+    """gemm1_bn=256 (the default where ffn is a multiple of 128: plan.FP8_WIDE_DEFAULT): GEMM 1's two parts, 128
+    gate and 128 up columns, each its own wgmma half into the per-block accumulator, promoted in turn into the
+    (128, 256) fp32 tile; 128 outputs per tile, z through the ring as the 128-column form (gemm1_bn=128), 48 KiB
+    stages; ffn must be a multiple of 128 (gpt-oss-120b's 2880 is not: 128 columns, overlap)."""
     spec = load_spec(name)
     if spec.ffn % 128:
         with pytest.raises(PlanError, match=r"^plan\.gemm1_bn: 256 columns \(128 gate \+ 128 up\) need ffn a "
@@ -228,7 +243,8 @@ def test_fp8_wide_gemm1(name):
         assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
             "gemm1_bn: 256 columns (128 per part) need ffn a multiple of 128"]
         return
-    base, p = solve(spec), solve(spec, gemm1_bn=256)
+    base, p = solve(spec, gemm1_bn=128), solve(spec, gemm1_bn=256)
+    assert p == solve(spec) and (base.gemm1.bn, base.gemm1.promote) == (128, "overlap")
     g = p.gemm1
     assert (g.bn, g.mma_split, g.promote, g.stages, g.n_tiles) == (256, 2, "serial", 4, spec.ffn // 128)
     assert (g.z_store, g.epi_store) == (base.gemm1.z_store, base.gemm1.epi_store) == ("ring", "ring")
