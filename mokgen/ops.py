@@ -159,6 +159,25 @@ def group_sums(onehot: torch.Tensor, tile_group: torch.Tensor, rows: torch.Tenso
     return onehot.float() @ torch.where((tile_group >= 0).unsqueeze(1), part, 0.0)
 
 
+def slot_group_weights(slot_pos: torch.Tensor, tile_group: torch.Tensor, row_w: torch.Tensor, bm: int,
+                       groups: int) -> torch.Tensor:
+    """[T, groups] fp32: per token, the weight of each of its slots (``row_w`` of the slot's row: the routing
+    weight, 1 for a shared expert) in the group the slot's row belongs to, 0 elsewhere; dropped slots
+    (``slot_pos`` -1) add nothing. One scatter per slot column j = 0..K+S-1, each adding one value per token, so
+    no two additions meet in one launch and the sums' order is fixed (two slots of one token in one group add in
+    j order). With it db2 = Wᵀ · dO in fp32, over the T tokens instead of their K+S gathered rows."""
+    T, J = slot_pos.shape
+    pos = slot_pos.long()
+    ok = pos >= 0
+    posc = pos.clamp(min=0)
+    grp = tile_group.long()[posc // bm].clamp(min=0)
+    w = torch.where(ok, row_w[posc], 0.0)
+    out = torch.zeros((T, groups), dtype=torch.float32, device=slot_pos.device)
+    for j in range(J):
+        out.scatter_add_(1, grp[:, j:j + 1], w[:, j:j + 1])
+    return out
+
+
 def _bm_of(plan: Any) -> int:
     bm = plan if isinstance(plan, int) else getattr(plan, "bm", None)
     if not isinstance(bm, int) or bm <= 0:
@@ -1109,8 +1128,7 @@ class CompiledMoE:
         wm = self.mx_wgrads   # MXFP8 weight gradients (plan wgrad*_dtype=mxfp8)
         with self._stream(dev):
             buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
-            if ("wgrad2" not in w8 and "wgrad2" not in wm) or b2 is not None:   # the bf16 dO rows: BF16 wgrad2's
-                # operand, db2's
+            if "wgrad2" not in w8 and "wgrad2" not in wm:   # the bf16 dO rows: BF16 wgrad2's operand
                 call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
             dz = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=dev)
             sa = torch.empty((cap, I), dtype=torch.bfloat16, device=dev)
@@ -1139,8 +1157,12 @@ class CompiledMoE:
                 else:
                     dzq, dzs = fp8_ops.quantize_used_rows(f, dz, sv.meta)
             onehot, group_start = group_layout(sv.tile_group, G, self.bm)
-            if b2 is not None:   # db2[g] = sum of s * dO over the group's rows (fixed order: per tile, then tiles)
-                db2 = group_sums(onehot, sv.tile_group, buf, self.bm, row_weight=sv.row_w)
+            dyf = None
+            if b2 is not None:   # db2[g] = sum of s * dO over the group's rows = (per token, its slots' weights in
+                # g) . dO: one fp32 GEMM over the T tokens (bench/NOTES.md v26: the gathered rows' per-tile sums
+                # cost 0.5 ms of gpt-oss-120b's step)
+                dyf = dy.float()
+                db2 = slot_group_weights(sv.slot_pos, sv.tile_group, sv.row_w, self.bm, G).t() @ dyf
             dw2 = dw1 = None
             if w2_main_grad is None:
                 dw2 = out.w2 if out.w2 is not None else torch.empty_like(w2)
@@ -1204,7 +1226,7 @@ class CompiledMoE:
             dtw = ds.sum(1)[posc]
             if b2 is not None:
                 grp = sv.tile_group.long()[posc // self.bm].clamp(min=0)
-                dtw = dtw + torch.gather(dy.float() @ b2.t(), 1, grp)
+                dtw = dtw + torch.gather(dyf @ b2.t(), 1, grp)
             dtw = torch.where(valid, dtw, 0.0).to(topk_weight.dtype)
             if b1 is not None:   # db1[g] = sum of dz over the group's rows
                 db1 = group_sums(onehot, sv.tile_group, dz, self.bm)

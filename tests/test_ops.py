@@ -787,3 +787,39 @@ def test_backward_two_streams_same_bits_and_order(bias, main_grad):
             assert torch.equal(a, b), n
     if main_grad:
         assert torch.equal(mg1[0], mg2[0]) and torch.equal(mg1[1], mg2[1])
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_db2_from_slot_weights(shared):
+    """db2 as the backward forms it, (per token, its slots' weights per group)ᵀ · dO (ops.slot_group_weights),
+    equals the sum over each group's gathered dO rows weighted by the rows' routing weights (ops.group_sums, the
+    EP backward's form) and a float64 sum over the slots: with shared experts, a dropped slot (an out-of-range id)
+    and two slots of one token in one group; and it has the same bits on a rerun."""
+    T, K, E, H, bm = 29, 3, 5, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, E, (T, K), generator=gen)
+    idx[3, 1] = idx[3, 0]   # two slots of token 3 in one group
+    idx[5, 2] = E + 2       # dropped: slot_pos -1
+    w = torch.rand(T, K, generator=gen)
+    G, cap = E + shared, -(-T * (K + shared) // bm) * bm + (E + shared) * bm
+    row_src, row_w = torch.zeros(cap, dtype=torch.int32), torch.zeros(cap)
+    tile_group, meta = torch.zeros(cap // bm, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    slot_pos = torch.zeros(T, K + shared, dtype=torch.int32)
+    ref.ref_routing(idx, w, row_src, row_w, tile_group, meta, slot_pos, local_experts=E, shared_experts=shared, bm=bm)
+    assert int(slot_pos[5, 2]) == -1 and int(meta[1]) == 1
+    dO = torch.randn(T, H, generator=gen).bfloat16()
+    sw = ops.slot_group_weights(slot_pos, tile_group, row_w, bm, G)
+    new = sw.t() @ dO.float()
+    assert torch.equal(new, ops.slot_group_weights(slot_pos, tile_group, row_w, bm, G).t() @ dO.float())
+    onehot, _ = ops.group_layout(tile_group, G, bm)
+    old = ops.group_sums(onehot, tile_group, dO[row_src.long()], bm, row_weight=row_w)
+    want = torch.zeros(G, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(K + shared):
+            p = int(slot_pos[t, j])
+            if p >= 0:
+                want[int(tile_group[p // bm])] += float(row_w[p]) * dO[t].double()
+    assert torch.allclose(new.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(old.double(), want, rtol=1e-5, atol=1e-5)
+    assert float(sw[3, int(idx[3, 0])]) == pytest.approx(float(w[3, 0] + w[3, 1]))
+    assert float(sw[5].sum()) == pytest.approx(float(w[5, 0] + w[5, 1]) + shared)
