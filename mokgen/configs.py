@@ -99,11 +99,13 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         out.append("schedule: the FP8 forward runs the chain schedule")
     for key in cfg:
         kernel, _, knob = key.partition("_") if key.startswith(("gemm", "dgrad")) else ("", "", key)
-        if key in ("gemm1_bn", "gemm2_bn", "dgrad2_bn"):   # 128, or 256 in two wgmma halves (plan.fp8_widen)
+        if key in P.FP8_BN_KEYS:   # 128, or 256 in two wgmma halves (plan.fp8_widen)
             if cfg[key] not in P.FP8_BNS:
                 out.append(f"{key}: FP8 tiles are {' or '.join(map(str, P.FP8_BNS))} columns wide")
             elif cfg[key] != P.FP8_BN and kernel == "gemm1" and spec.ffn % P.FP8_BN:
                 out.append(f"{key}: {cfg[key]} columns (128 per part) need ffn a multiple of 128")
+            elif kernel == "dgrad1" and spec.ffn % cfg[key]:
+                out.append(f"{key}: {cfg[key]} columns need ffn a multiple of {cfg[key]} (the dSwiGLU epilogue)")
             elif cfg[key] != P.FP8_BN and cfg.get(f"{kernel}_promote", "serial") != "serial":
                 out.append(f"{key}: {cfg[key]} columns promote their halves in turn (serial), not "
                            f"{cfg[f'{kernel}_promote']}")
@@ -236,7 +238,7 @@ def check_plan(plan: Any) -> list[str]:
         [("backward.dgrad1", plan.backward.dgrad1), ("backward.dgrad2", plan.backward.dgrad2)] if plan.backward else [])
     for name, g in fp8_gemms:
         if g.mma_split != 1 and (g.mma_split != 2 or g.elem_bytes != 1 or g.promote != "serial" or g.bn % 2
-                                 or name == "backward.dgrad1" or (name == "gemm1" and g.bn != 2 * P.FP8_BN)):
+                                 or (name in ("gemm1", "backward.dgrad1") and g.bn != 2 * P.FP8_BN)):
             out.append(f"{name}.mma_split {g.mma_split}: 2 only for FP8 gemm1 (its two 128-column parts) / gemm2 / "
                        f"dgrad2 tiles with serial promotion")
         if (why := P.stage_scales_problem(g)) is not None:

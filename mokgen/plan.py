@@ -905,15 +905,18 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             continue
         if bn not in FP8_BNS:
             raise PlanError(f"plan.{key}: FP8 tiles are {' or '.join(map(str, FP8_BNS))} columns wide, got {bn}")
+        if bn == FP8_BN:   # only dgrad1 plans another width (64 columns where 128 does not divide ffn)
+            raise PlanError(f"plan.{key}: {bn} columns need ffn a multiple of {bn} (the dSwiGLU epilogue), got "
+                            f"{spec.ffn}")
         if (why := fp8_wide_problem(spec, which, g)) is not None:
             raise PlanError(f"plan.{key}: {bn} columns {why}")
-        g = fp8_widen(a, which, g, spec.ffn if which == 1 else spec.hidden)   # gemm2 and dgrad2: H columns
+        g = fp8_widen(a, which, g, spec.ffn if which in (1, 3) else spec.hidden)   # gemm2, dgrad2: H columns
         if which == 1:
             g1 = g
         elif which == 2:
             g2 = g
         else:
-            plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, dgrad2=g))
+            plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, **{name: g}))
     for which in (1, 2):   # where the scales are read from: before the stage overrides (the staged form's smem)
         if (key := next((k for k in (f"gemm{which}_scale_load", "scale_load") if k in overrides), None)):
             g = _scale_load_override(a, g1 if which == 1 else g2, key, overrides[key])
@@ -1017,7 +1020,7 @@ def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = Non
         name = {w: n for n, w in FP8_WIDE_DEFAULT}.get(which)
         if name not in wide or fp8_wide_problem(spec, which, g) is not None:
             return g
-        return fp8_widen(a, which, g, spec.ffn if which == 1 else spec.hidden)
+        return fp8_widen(a, which, g, spec.ffn if which in (1, 3) else spec.hidden)
 
     backward = plan.backward
     if backward is not None:
@@ -1054,10 +1057,12 @@ FP8_BN = 128  # acc + the promotion's per-block acc_k: 2 x 64 fp32 registers per
 FP8_PROMOTE = ("overlap", "overlap", "serial", "serial")
 
 
-# FP8 GEMMs whose tile may be 256 columns wide (mma_split 2): GEMM 2 (routing weight) and dgrad2 (store) as two
-# 128-column halves of one W tile; GEMM 1 as its two parts, 128 gate and 128 up columns, each its own wgmma half
-# (where ffn is a multiple of 128). dgrad1 (dSwiGLU over z) keeps 128.
-FP8_WIDE = {1: "gemm1", 2: "gemm2", 4: "dgrad2"}
+# FP8 GEMMs whose tile may be 256 columns wide (mma_split 2): GEMM 2 (routing weight), dgrad2 (store) and dgrad1
+# (the dSwiGLU epilogue over 256 columns; where ffn is a multiple of 256) as two 128-column halves of one W tile;
+# GEMM 1 as its two parts, 128 gate and 128 up columns, each its own wgmma half (where ffn is a multiple of 128).
+# dgrad1's wide tile is opt-in (dgrad1_bn=256, searched by tune --train): on an H100 it moved forward+backward
+# -4.6% to +1.8% between calls (bench/NOTES.md v26), not a default.
+FP8_WIDE = {1: "gemm1", 2: "gemm2", 3: "dgrad1", 4: "dgrad2"}
 FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
 FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
 FP8_BNS = (FP8_BN, 2 * FP8_BN)
@@ -1088,9 +1093,11 @@ def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
 def fp8_wide_problem(spec: Spec, which: int, g: GemmPlan) -> str | None:
     """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) of `spec` cannot take 256-column tiles, or None."""
     if which not in FP8_WIDE:
-        return "applies to gemm1, gemm2 and dgrad2 only (dgrad1's dSwiGLU keeps 128 columns)"
+        return "applies to gemm1, gemm2, dgrad1 and dgrad2 only"
     if which == 1 and spec.ffn % FP8_BN:
         return f"(128 gate + 128 up) need ffn a multiple of 128, got {spec.ffn}"
+    if which == 3 and spec.ffn % (2 * FP8_BN):
+        return f"need ffn a multiple of 256 (the dSwiGLU epilogue's tiles divide it), got {spec.ffn}"
     if g.cluster != 1:
         return f"needs cluster 1, got {g.cluster}"
     return None

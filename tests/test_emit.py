@@ -175,6 +175,27 @@ def test_staged_fp8_scales_compile(tmp_path):
         assert not any(adv.values()), {k: v for k, v in adv.items() if v}
 
 
+@pytest.mark.slow
+def test_fp8_dgrad1_wide_compiles(tmp_path):
+    """``dgrad1_bn=256`` (opt-in): the FP8 dgrad1's 256-column tile, two wgmma halves promoted in turn and the
+    dSwiGLU epilogue over 256 columns with z through the stage ring, compiles for sm_90a: e4m3 wgmma, no ptxas
+    advisory (qwen3-30b-a3b: ffn 768, three tiles a row block)."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", dgrad1_bn=256)
+    d1 = plan.backward.dgrad1
+    assert (d1.bn, d1.mma_split, d1.promote, d1.n_tiles, d1.z_load) == (256, 2, "serial", 3, "tma")
+    src = emit(plan)
+    assert "MMA_SPLIT = 2" in src.files["dgrad1.py"] and 'EPILOGUE = "dswiglu"' in src.files["dgrad1.py"]
+    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n == "dgrad1.py"}),
+                      "sm_90a", tmp_path, progress=False)
+    assert ".f32.e4m3.e4m3" in (Path(art.dir) / "dgrad1.ptx").read_text()
+    adv = build.ptxas_report(art)
+    if adv is not None:
+        assert not any(adv.values()), adv
+
+
 def _global_ops(ptx_path: Path) -> list[str]:
     """The global loads / stores and branches of a kernel's PTX, in order ("ld.global.v4", "bra", ...)."""
     out = []

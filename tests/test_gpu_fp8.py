@@ -187,9 +187,9 @@ def test_training_matches_reference_kernels(case):
         assert err <= TOL, f"grad {name}: {err:.3e} > {TOL} against the reference kernels"
 
 
-def _assert_same_step_bits(spec, m1, m2, inp, seed, what):
+def _assert_same_step_bits(spec, m1, m2, inp, seed, what, grads=("x", "topk_weight", "w1", "w2")):
     """A training step of `m1` and of `m2` (random routing, then a skewed one drawn with `seed`): y has no NaN and
-    y and every gradient have the same bits."""
+    y and the gradients `grads` have the same bits."""
     dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
     fresh = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=seed, routing="skewed")
 
@@ -202,7 +202,7 @@ def _assert_same_step_bits(spec, m1, m2, inp, seed, what):
         torch.cuda.synchronize()
         assert not bool(y2.isnan().any()), f"{spec.name}: NaN in y with {what}"
         assert torch.equal(bits(y1), bits(y2)), f"{spec.name}: y bits differ with {what}"
-        for name in ("x", "topk_weight", "w1", "w2"):
+        for name in grads:
             a, b = getattr(g1, name), getattr(g2, name)
             assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
@@ -239,6 +239,31 @@ def test_scale_load_same_bits(case):
         assert staged == ([] if ov["scale_load"] == "global" else ["gemm1", "gemm2", "dgrad1", "dgrad2"]), staged
         _assert_same_step_bits(spec, moe, other, inp, 4, ov)
         other.check_errors()
+
+
+def test_dgrad1_wide_same_bits(case):
+    """dgrad1's 256-column tile (dgrad1_bn=256: two wgmma halves promoted in turn, the dSwiGLU epilogue over 256
+    columns; where ffn is a multiple of 256) makes the same products in the same order per element as the
+    128-column tile: y, dx, dW1 and dW2 have the same bits; the router gradient sums its per-tile partials over
+    256 columns instead of 128 (another association), so it is checked against the 128-column one's value."""
+    spec, moe, inp = case
+    if spec.ffn % 256:
+        pytest.skip(f"ffn {spec.ffn} is no multiple of 256")
+    base = {k: v for k, v in OVERRIDES.items() if k != "dgrad1_bn"}
+    m128 = mokgen.compile(spec, overrides={**base, "dgrad1_bn": 128})
+    m256 = mokgen.compile(spec, overrides={**base, "dgrad1_bn": 256})
+    assert (m128.plan.backward.dgrad1.bn, m256.plan.backward.dgrad1.bn) == (128, 256)
+    _assert_same_step_bits(spec, m128, m256, inp, 5, "dgrad1_bn=256", grads=("x", "w1", "w2"))
+    dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
+    g1, g2 = (m.backward(dy, m.forward_train(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1,
+                                             inp.b2)[1], inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
+              for m in (m128, m256))
+    torch.cuda.synchronize()
+    err = ref.rel_err(g2.topk_weight.float(), g1.topk_weight.double())
+    print(f"{spec.name}: router gradient, 256- vs 128-column dgrad1: rel err {err:.3e}")
+    assert bool(torch.isfinite(g2.topk_weight).all()) and err <= 1e-3
+    m128.check_errors()
+    m256.check_errors()
 
 
 def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case, ctas):

@@ -106,7 +106,11 @@ def test_fp8_overrides():
         "gemm1_bn: FP8 tiles are 128 or 256 columns wide"]
     assert configs.check_config(spec, "sm_90a", {"schedule": "fused"}) == [
         "schedule: the FP8 forward runs the chain schedule"]
-    assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == ["dgrad1_bn: the FP8 dgrad's tile is fixed (bn)"]
+    assert configs.check_config(spec, "sm_90a", {"dgrad1_stages": 3}) == [
+        "dgrad1_stages: the FP8 dgrad's tile is fixed (stages)"]
+    assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == []   # opt-in: plan.fp8_widen
+    assert configs.check_config(load_spec("gpt-oss-120b-fp8"), "sm_90a", {"dgrad1_bn": 256}) == [
+        "dgrad1_bn: 256 columns need ffn a multiple of 256 (the dSwiGLU epilogue)"]
     assert configs.check_config(spec, "sm_90a", {"promote": "overlap", "wgrad1_bn": 128}) == []
     p = solve(spec, cluster=2)   # W-tile multicast to M-tile pairs: the forward GEMMs only
     assert (p.gemm1.cluster, p.gemm2.cluster, p.backward.dgrad1.cluster) == (2, 2, 1) and not configs.check_plan(p)
@@ -166,10 +170,11 @@ def test_fp8_tune_space(name):
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
-                                                 "bwd_streams", "dgrad2_bn", "dgrad1_raster_group",
+                                                 "bwd_streams", "dgrad1_bn", "dgrad2_bn", "dgrad1_raster_group",
                                                  "dgrad2_raster_group")) for c in bwd)
     assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
     assert {"dgrad2_bn": 128} in bwd   # the default is 256 (plan.FP8_WIDE_DEFAULT)
+    assert ({"dgrad1_bn": 256} in bwd) == (spec.ffn % 256 == 0)   # opt-in, where 256 divides ffn
     for cfg in fwd + bwd:
         p = solve(spec, **cfg)
         assert not configs.check_plan(p), (cfg, configs.check_plan(p))
@@ -207,7 +212,7 @@ def test_fp8_wide_tiles(name):
 def test_fp8_wide_tiles_refused():
     spec = load_spec("kimi-k2-fp8")
     for kw, msg in (({"gemm2_bn": 192}, r"^plan\.gemm2_bn: FP8 tiles are 128 or 256 columns wide, got 192$"),
-                    ({"dgrad1_bn": 256}, r"^plan\.dgrad1_bn: 256 columns applies to gemm1, gemm2 and dgrad2 only"),
+                    ({"dgrad1_bn": 192}, r"^plan\.dgrad1_bn: FP8 tiles are 128 or 256 columns wide, got 192$"),
                     ({"gemm1_bn": 256, "gemm1_promote": "overlap"},
                      r"^plan\.gemm1_promote: overlap needs 128-column FP8 tiles"),
                     ({"gemm1_bn": 256, "cluster": 2}, r"^plan\.gemm1_bn: 256 columns needs cluster 1, got 2$"),
