@@ -240,7 +240,7 @@ def check_plan(plan: Any) -> list[str]:
         if g.mma_split != 1 and (g.mma_split != 2 or g.elem_bytes != 1 or g.promote != "serial" or g.bn % 2
                                  or (name in ("gemm1", "backward.dgrad1") and g.bn != 2 * P.FP8_BN)):
             out.append(f"{name}.mma_split {g.mma_split}: 2 only for FP8 gemm1 (its two 128-column parts) / gemm2 / "
-                       f"dgrad2 tiles with serial promotion")
+                       f"dgrad1 / dgrad2 tiles with serial promotion")
         if (why := P.stage_scales_problem(g)) is not None:
             out.append(f"{name}.stage_scale_bytes {g.stage_scale_bytes}: {why}")
         if g.promote not in sp_.values("promote", "gemm1"):

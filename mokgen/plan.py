@@ -1451,7 +1451,8 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
         "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" if which == 1 else
                    "h's used rows quantized by quant_rows_used, read by TMA tiles"),
         (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2; "
-         + ("GEMM 1's two parts, 128 gate and 128 up columns: the override gemm1_bn=256" if which == 1 else
+         + ("GEMM 1's two parts, 128 gate and 128 up columns; its default where ffn is a multiple of 128, "
+            "FP8_WIDE_DEFAULT; gemm1_bn=128 for 128 columns" if which == 1 else
             "GEMM 2's default, FP8_WIDE_DEFAULT; gemm2_bn=128 for 128 columns")
          + f"): the accumulator ({_acc_regs(g.bn)} fp32 registers per consumer thread) plus one half-width "
          f"per-block one ({_acc_regs(g.bn // 2)}), each half promoted in turn; a quarter fewer operand bytes per "
