@@ -994,7 +994,7 @@ class CompiledMoE:
         else:
             q_dO = ("quant_mx_gather",) if self.mx else ()
             q_dz, q_dz2 = (), ("quant_mx_dz",) if self.mx else ()
-        gather_dO = () if ("wgrad2" in w8 or "wgrad2" in wm) and not self.cfg.bias else ("gather_dO",)
+        gather_dO = () if ("wgrad2" in w8 or "wgrad2" in wm) else ("gather_dO",)   # db2 reads dO itself
         head = gather_dO + q_dO + ("dgrad1",) + q_dz
         dgrad2 = q_dz2 + ("dgrad2", "combine_dx")
         wgrad2 = (("quant_cols_used_sa",) if "wgrad2" in w8 else ("quant_mx_cols_gather_dO", "quant_mx_sa_cols")
