@@ -54,6 +54,8 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
     if any(k in P.WGRAD_DTYPE_KEYS and v == "fp8" for k, v in cfg.items()):
         return [f"{k}: FP8 weight gradients apply to FP8 specs" for k, v in cfg.items()
                 if k in P.WGRAD_DTYPE_KEYS and v == "fp8"]
+    if "gemm1_h_quant" in cfg:
+        return ["gemm1_h_quant: h's FP8 quantization applies to FP8 specs"]
     fused = cfg.get("schedule", "chain") == "fused"
     for which, kernel in ((1, "gemm1"), (2, "gemm2")):
         bn = cfg.get(f"{kernel}_bn")
@@ -243,6 +245,11 @@ def check_plan(plan: Any) -> list[str]:
                        f"dgrad1 / dgrad2 tiles with serial promotion")
         if (why := P.stage_scales_problem(g)) is not None:
             out.append(f"{name}.stage_scale_bytes {g.stage_scale_bytes}: {why}")
+        if g.h_quant not in sp_.values("h_quant", "gemm1") or (g.h_quant != "kernel" and name != "gemm1"):
+            out.append(f"{name}.h_quant {g.h_quant!r}: GEMM 1's choice, one of "
+                       f"{', '.join(sp_.values('h_quant', 'gemm1'))}")
+        elif (why := P.h_quant_problem(g)) is not None:
+            out.append(f"{name}.h_quant {g.h_quant}: {why}")
         if g.promote not in sp_.values("promote", "gemm1"):
             out.append(f"{name}.promote {g.promote!r} not in the space")
         elif g.promote != "serial" and g.elem_bytes != 1:

@@ -18,7 +18,8 @@ from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation,
                         _w1_strides, template_hash)
 from . import kernels
 from .sm100 import emit as _sm100_emit
-from .plan import L2_HINTS, Plan, epi_ring_problem, stage_scales_problem, z_ring_problem, z_stage_problem
+from .plan import (L2_HINTS, Plan, epi_ring_problem, h_quant_problem, stage_scales_problem, z_ring_problem,
+                   z_stage_problem)
 
 __all__ = ["EXPERIMENTS", "EmitError", "Sources", "TEMPLATE_DIR", "emit", "emit_fp8_quant", "template_hash"]
 
@@ -54,11 +55,13 @@ def _gemm_params(plan: Plan, which: int, save_z: bool = False) -> dict[str, Any]
         if g.bn % 2:
             raise EmitError(f"plan.gemm1.bn: must be even (gate and up halves), got {g.bn}")
         n_stride, p_stride = _w1_strides(spec)
+        h_quant = _h_quant(g)
+        table = ("gemm1_train" if save_z else "gemm1") + ("_hq" if h_quant else "") + sfx
         return _grouped_params(
-            plan, g, ("gemm1_train" if save_z else "gemm1") + sfx, bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
+            plan, g, table, bn=g.bn // 2, n_out=I, k_dim=H, parts=2,
             n_stride=n_stride, k_stride=1, p_stride=p_stride, g_stride=2 * I * H, b_mn=False, epilogue="swiglu",
             save_z=save_z, has_bias=bool(spec.bias), a_gather=g.a_load == "gather", a_rows=g.a_load == "tma_rows",
-            fp8=fp8, z_ring=save_z and _z_ring(g))
+            fp8=fp8, z_ring=save_z and _z_ring(g), h_quant=h_quant)
     return _grouped_params(
         plan, g, "gemm2" + sfx, bn=g.bn, n_out=H, k_dim=I, parts=1, n_stride=I, k_stride=1, p_stride=H * I,
         g_stride=H * I, b_mn=False, epilogue="weight", has_bias=bool(spec.bias), fp8=fp8)
@@ -99,6 +102,15 @@ def _z_ring(g: Any) -> bool:
     return True
 
 
+def _h_quant(g: Any) -> bool:
+    """GEMM 1 quantizes h per 1 x 128 in its epilogue (plan h_quant "epilogue"), checked against its tile."""
+    if g.h_quant == "kernel":
+        return False
+    if (why := h_quant_problem(g)) is not None:
+        raise EmitError(f"plan.gemm1.h_quant: {g.h_quant} {why}")
+    return True
+
+
 def _z_tma(g: Any) -> bool:
     """dgrad1's z through the stage ring (plan z_load "tma"), checked against the tile it needs."""
     if g.z_load != "tma":
@@ -111,12 +123,13 @@ def _z_tma(g: Any) -> bool:
 def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_dim: int, parts: int,
                     n_stride: int, k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str,
                     save_z: bool = False, has_bias: bool = False, a_gather: bool = False,
-                    a_rows: bool = False, fp8: bool = False, z_tma: bool = False, z_ring: bool = False) -> dict[str, Any]:
+                    a_rows: bool = False, fp8: bool = False, z_tma: bool = False, z_ring: bool = False,
+                    h_quant: bool = False) -> dict[str, Any]:
     """The render context of templates/sm90/grouped_gemm.py.j2 for kernel `kernel` of GEMM plan `g`: the
     problem's strides from the spec, every tile and pipeline choice from the plan."""
     spec = plan.spec
     producer_regs, consumer_regs = g.regs
-    what = f"plan.{'backward.' if kernel.startswith('dgrad') else ''}{kernel.replace('_train', '').replace('_fp8', '')}"
+    what = f"plan.{'backward.' if kernel.startswith('dgrad') else ''}{kernel.split('_')[0]}"
     _check_smem(plan, g.smem_bytes(parts * bn), f"{what}: {g.stages} stages")
     if k_dim % g.bk and not fp8:
         raise EmitError(f"{what}.bk: {g.bk} does not divide K={k_dim}")
@@ -167,6 +180,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         z_chunk=g.z_chunk,
         z_tma=z_tma,
         z_ring=z_ring,
+        h_quant=h_quant,
         **dict(zip(("epi_ring", "epi_w"), _epi_ring(g, parts, what))),
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],

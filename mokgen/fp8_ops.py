@@ -20,7 +20,7 @@ import torch
 from . import fp8
 from .kernels import bind, call
 
-__all__ = ["ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
+__all__ = ["alloc_rows", "ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
            "ref_quant_cols_used", "ref_quant_cols_gather", "reference_quant_kernels", "quantize_rows",
            "quantize_used_rows", "quantize_gathered_rows", "quantize_w", "quantize_cols", "quantize_used_cols",
            "quantize_gathered_cols", "quantize_used_both", "quantize_gathered_both", "ref_quant_both_used",
@@ -169,6 +169,14 @@ def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
         with _stream(x):
             call(fns, kernel, x=x, **kw, q=q, s=s)
     return q, s
+
+
+def alloc_rows(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"hq": uint8 [rows, K], "hs": fp32 [rows, K / 128]}`` for x [rows, K]: the buffers a row quantization of x
+    fills, for a kernel that quantizes in its epilogue (GEMM 1's h: plan gemm1.h_quant "epilogue")."""
+    rows, K = x.shape
+    return dict(hq=torch.empty((rows, K), dtype=torch.uint8, device=x.device),
+                hs=torch.empty((rows, _blocks(K)), dtype=torch.float32, device=x.device))
 
 
 def quantize_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

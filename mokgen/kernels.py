@@ -152,6 +152,11 @@ _Q_ROWS = _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits o
 _S_ROWS = _t("s", "fp32", "rows", "cblocks", written=True, align=4,
              doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)")
 
+# h's e4m3 rows and their 1 x 128 scales, written by GEMM 1's epilogue (the used rows; as quant_rows_used would)
+_HQ = (_t("hq", "u8", "rows", "N_OUT", written=True, doc="[rows, FFN] e4m3 bits of h (1 x 128 tiles; the used rows)"),
+       _t("hs", "fp32", "rows", "(N_OUT + 127) // 128", written=True, align=4,
+          doc="[rows, FFN / 128] power-of-two scale per 1 x 128 tile of h (the used rows)"))
+
 ARGS: dict[str, tuple[Arg, ...]] = {
     "routing": (
         _t("idx", "int32", "tokens", "TOPK", doc="[T, K] routed expert of each slot"),
@@ -187,6 +192,13 @@ ARGS: dict[str, tuple[Arg, ...]] = {
     "gemm1_train_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
                                     _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
                                     a_doc="x [T, H] (rows gathered by row_src)"),
+    # GEMM 1 with h's 1 x 128 quantization in its epilogue (plan gemm1.h_quant "epilogue": GEMM 2's A operand
+    # written by GEMM 1, no quant_rows_used launch); the bf16 h is written as well
+    "gemm1_hq_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                                 *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
+    "gemm1_train_hq_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+                                       _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+                                       *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
     "gemm2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                               a_doc="h [rows, FFN]"),
     "dgrad1_fp8": _grouped_fp8(
@@ -409,7 +421,8 @@ SYMBOLS: dict[str, dict[str, str | None]] = {
     "combine": {"tokens": None, "rows": None},
     "fused": {"tokens": None, "rows": "BM", "tiles": None, "nsync": None},
     **{k: _GROUPED_SYMS for k in ("gemm1", "gemm1_train", "gemm2", "dgrad1", "dgrad2", "gemm1_fp8",
-                                  "gemm1_train_fp8", "gemm2_fp8", "dgrad1_fp8", "dgrad2_fp8")},
+                                  "gemm1_train_fp8", "gemm1_hq_fp8", "gemm1_train_hq_fp8", "gemm2_fp8", "dgrad1_fp8",
+                                  "dgrad2_fp8")},
     **{k: {**_GROUPED_SYMS, "sfa_bytes": None} for k in ("gemm1_mx", "gemm2_mx", "gemm1_train_mx", "dgrad1_mx",
                                                            "dgrad2_mx")},
     **{k: {"rows": "GROUP_M"} for k in ("wgrad1", "wgrad2", "wgrad1_acc", "wgrad2_acc")},

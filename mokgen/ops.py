@@ -159,6 +159,17 @@ def group_sums(onehot: torch.Tensor, tile_group: torch.Tensor, rows: torch.Tenso
     return onehot.float() @ torch.where((tile_group >= 0).unsqueeze(1), part, 0.0)
 
 
+def fp8_h_quant(plan: Any) -> bool:
+    """Whether an FP8 plan's GEMM 1 quantizes h per 1 x 128 in its epilogue (plan ``gemm1.h_quant``; the
+    training GEMM 1 must agree: one GEMM 1 plan for both on FP8)."""
+    g1 = getattr(plan, "gemm1", None)
+    on = getattr(g1, "h_quant", "kernel") == "epilogue"
+    g1t = getattr(plan, "train_gemm1", g1) if hasattr(plan, "backward") else g1
+    if getattr(g1t, "h_quant", "kernel") != getattr(g1, "h_quant", "kernel"):
+        raise ValueError("plan: the inference and training GEMM 1 disagree on h_quant")
+    return on
+
+
 def slot_group_weights(slot_pos: torch.Tensor, tile_group: torch.Tensor, row_w: torch.Tensor, bm: int,
                        groups: int) -> torch.Tensor:
     """[T, groups] fp32: per token, the weight of each of its slots (``row_w`` of the slot's row: the routing
@@ -609,6 +620,9 @@ class CompiledMoE:
         self.masked = False   # masking mode (masked_view): ids >= local_experts are masked slots, not errors
         self._masked_view: "CompiledMoE | None" = None
         self.fp8 = self.cfg.dtype == "fp8"
+        # FP8: GEMM 1 writes h's e4m3 rows and scales itself (plan gemm1.h_quant "epilogue", inference and training
+        # GEMM 1 alike)
+        self.fp8_h_quant = self.fp8 and fp8_h_quant(plan)
         self._fp8_weights = _Fp8Weights()
         self._mx_weights = _MxWeights()
         self._registry_id = next(_IDS)
@@ -910,13 +924,17 @@ class CompiledMoE:
         t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
         w1q, w1s = self._fp8_weights.get(f, w1, transpose=t)[:2]
         w2q, w2s = self._fp8_weights.get(f, w2, transpose=t)[:2]
+        # h's 1 x 128 quantization for GEMM 2: in GEMM 1's epilogue (plan gemm1.h_quant "epilogue": its tables
+        # gemm1*_hq_fp8 take the e4m3 rows and scales too), else by quant_rows_used after it
+        hq_kw = fp8_ops.alloc_rows(h) if self.fp8_h_quant else {}
+        sfx = "_hq_fp8" if self.fp8_h_quant else "_fp8"
         if z is None:
-            call(f, "gemm1", table="gemm1_fp8", a=xq, w=w1q, bias=b1, row=row_src, tile_group=tile_group, meta=meta,
-                 sa=xs, sb=w1s, out=h, num_ctas=num_ctas)
+            call(f, "gemm1", table="gemm1" + sfx, a=xq, w=w1q, bias=b1, row=row_src, tile_group=tile_group,
+                 meta=meta, sa=xs, sb=w1s, out=h, **hq_kw, num_ctas=num_ctas)
         else:
-            call(f, "gemm1_train", table="gemm1_train_fp8", a=xq, w=w1q, bias=b1, row=row_src,
-                 tile_group=tile_group, meta=meta, sa=xs, sb=w1s, out=h, z=z, num_ctas=num_ctas)
-        hq, hs = fp8_ops.quantize_used_rows(f, h, meta)
+            call(f, "gemm1_train", table="gemm1_train" + sfx, a=xq, w=w1q, bias=b1, row=row_src,
+                 tile_group=tile_group, meta=meta, sa=xs, sb=w1s, out=h, z=z, **hq_kw, num_ctas=num_ctas)
+        hq, hs = (hq_kw["hq"], hq_kw["hs"]) if hq_kw else fp8_ops.quantize_used_rows(f, h, meta)
         call(f, "gemm2", table="gemm2_fp8", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
              sa=hs, sb=w2s, out=ys, num_ctas=num_ctas)
 
@@ -968,9 +986,10 @@ class CompiledMoE:
         combine kernels); the small torch reductions between them are not listed."""
         if self.fused:
             return ("routing", "fused")
-        if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step)
-            fwd = ("routing", "quant_rows_gather", "gemm1_train" if training else "gemm1", "quant_rows_used", "gemm2",
-                   "combine")
+        if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step); h's rows
+            # quantized by quant_rows_used unless GEMM 1 does it in its epilogue (plan gemm1.h_quant)
+            fwd = ("routing", "quant_rows_gather", "gemm1_train" if training else "gemm1") + (
+                () if self.fp8_h_quant else ("quant_rows_used",)) + ("gemm2", "combine")
         elif self.mx:   # likewise quant_mx_w1 / quant_mx_w2 (and the backward's quant_mx_w*_cols)
             fwd = ("routing", "quant_mx_gather", "gemm1_train" if training else "gemm1", "quant_mx_used", "gemm2",
                    "combine")

@@ -845,6 +845,9 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
         if scale_keys:
             raise PlanError(f"plan.{scale_keys[0]}: where the FP8 scales are read from applies to FP8 specs (dtype "
                             f"fp8), this one is {spec.dtype}")
+        if "gemm1_h_quant" in overrides:
+            raise PlanError(f"plan.gemm1_h_quant: h's FP8 quantization applies to FP8 specs (dtype fp8), this one is "
+                            f"{spec.dtype}")
         return _solve(spec, arch, **overrides)
     a = _fp8_arch(arch)
     for key in ("dgrad1_cluster", "dgrad2_cluster"):
@@ -863,8 +866,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     # tile N of the FP8 GEMMs: fp8_gemm's 128, or 256 for gemm2 / dgrad2 (fp8_widen); not the BF16 tile's
     fp8_bn = {k: overrides[k] for k in FP8_BN_KEYS if k in overrides}
     rest = {k: v for k, v in overrides.items()
-            if k not in promote_keys and k not in scale_keys and k not in ("dgrad1_z_chunk", "dgrad1_z_load")
-            and k not in fp8_bn}
+            if k not in promote_keys and k not in scale_keys
+            and k not in ("dgrad1_z_chunk", "dgrad1_z_load", "gemm1_h_quant") and k not in fp8_bn}
     # the GEMMs that keep the default 256-column tile: those whose tile no override fixes
     wide = tuple(name for name, _ in FP8_WIDE_DEFAULT if not _fp8_tile_asked(name, overrides))
     if not rest:
@@ -956,8 +959,29 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                     raise PlanError(f"plan.{key}: stagger {why}")
                 mode = "serial"
             gemms[name] = dataclasses.replace(gemms[name], promote=mode)
+    if (mode := overrides.get("gemm1_h_quant")) is not None:   # after the tile and promotion overrides: it needs
+        # the 256-column tile
+        legal = _SPACE.values("h_quant", "gemm1")
+        if mode not in legal:
+            raise PlanError(f"plan.gemm1_h_quant: must be one of {', '.join(legal)}, got {mode!r}")
+        g = dataclasses.replace(gemms["gemm1"], h_quant=mode)
+        if (why := h_quant_problem(g)) is not None:
+            raise PlanError(f"plan.gemm1_h_quant: {mode} {why}")
+        gemms["gemm1"] = g
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
     return _with_forward_gemms(spec, a, dataclasses.replace(plan, backward=backward), gemms["gemm1"], gemms["gemm2"])
+
+
+def h_quant_problem(g: GemmPlan) -> str | None:
+    """Why FP8 GEMM 1 plan `g` cannot quantize h per 1 x 128 in its epilogue (h_quant "epilogue"), or None: a
+    tile must hold whole scale blocks of its rows, which the 256-column tile (its two 128-column parts: 128 h
+    columns) does, one block per row (the 128-column tile has 64 h columns, half a block)."""
+    if g.h_quant == "kernel":
+        return None
+    if g.elem_bytes != 1 or g.mma_split != 2 or g.bn != 2 * FP8_BN:
+        return (f"needs the FP8 256-column GEMM 1 tile (its 128 h columns are one 1 x 128 scale block per row), got "
+                f"bn {g.bn}, mma_split {g.mma_split}")
+    return None
 
 
 def stage_scale_bytes(g: GemmPlan) -> int:
@@ -1448,8 +1472,11 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
     waves = c.tiles / arch.sms
     return [
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
-        "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" if which == 1 else
-                   "h's used rows quantized by quant_rows_used, read by TMA tiles"),
+        "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" + (
+            "; h quantized per 1 x 128 in this epilogue (h_quant epilogue: no quant_rows_used launch)"
+            if g.h_quant == "epilogue" else "") if which == 1 else
+                   "h's used rows in e4m3 (quant_rows_used, or GEMM 1's epilogue with gemm1.h_quant epilogue), "
+                   "read by TMA tiles"),
         (f"  bn = {g.bn} in two wgmma halves of {g.bn // 2} (mma_split 2; "
          + ("GEMM 1's two parts, 128 gate and 128 up columns; its default where ffn is a multiple of 128, "
             "FP8_WIDE_DEFAULT; gemm1_bn=128 for 128 columns" if which == 1 else

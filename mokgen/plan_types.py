@@ -111,6 +111,9 @@ class GemmPlan:
     # summed into the per-block accumulator and promoted in turn (128 x 256 FP8 tiles: the whole-tile fp32
     # accumulator plus one half-width per-block one fit the registers; see fp8_widen)
     mma_split: int = 1
+    # FP8 GEMM 1: who quantizes h per 1 x 128 for GEMM 2: "kernel" = the quant_rows_used launch after GEMM 1,
+    # "epilogue" = GEMM 1's epilogue (its 256-column tile's 128 outputs are one scale block per row: h_quant_problem)
+    h_quant: str = "kernel"
     # FP8 weight gradients: bytes of fp32 scales each stage also holds (the K block's scales of the tile's A and B
     # columns, TMA-loaded with the operands: (tile_m + bn) * 4); 0 elsewhere
     stage_scale_bytes: int = 0

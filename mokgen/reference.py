@@ -941,7 +941,8 @@ def ref_wgrad_mx(a, sfa, b, sfb, group_start, out, num_ctas, *, accumulate: bool
 
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
                       training: bool = False, fp8_wgrads: tuple[str, ...] = (),
-                      gather_train: bool | None = None, mx_wgrads: tuple[str, ...] = ()) -> dict[str, Callable[..., None]]:
+                      gather_train: bool | None = None, mx_wgrads: tuple[str, ...] = (),
+                      fp8_h_quant: bool = False) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
     from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
@@ -954,7 +955,8 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     dtype "fp8" plan runs in FP8 (plan ``wgrad*_dtype=fp8``): their ``wgrad*_fp8`` tables, and the column
     quantizers. ``mx_wgrads``: likewise for a dtype "mxfp8" plan's MXFP8 weight gradients (plan
     ``wgrad*_dtype=mxfp8``): their ``wgrad*_mx`` tables (the column quantizers are bound for every MXFP8 training
-    set)."""
+    set). ``fp8_h_quant``: a dtype "fp8" plan whose GEMM 1 quantizes h in its epilogue (plan gemm1.h_quant
+    "epilogue"): GEMM 1's ``gemm1*_hq_fp8`` tables, h's e4m3 rows and scales written as quant_rows_used would."""
     from .kernels import bind
 
     if set(fp8_wgrads) - {"wgrad1", "wgrad2"}:
@@ -999,9 +1001,14 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         def gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
             ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
 
-        impls.update(gemm1=gemm1_fp8, gemm2=gemm2_fp8)
-        tables.update(gemm1="gemm1_fp8", gemm2="gemm2_fp8")
         from .fp8_ops import ref_quant_rows, ref_quant_rows_gather, ref_quant_rows_used, ref_quant_w
+
+        def gemm1_hq_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, hq, hs, num_ctas):
+            ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
+            ref_quant_rows_used(out, meta, hq, hs, bm=bm)
+
+        impls.update(gemm1=gemm1_hq_fp8 if fp8_h_quant else gemm1_fp8, gemm2=gemm2_fp8)
+        tables.update(gemm1="gemm1_hq_fp8" if fp8_h_quant else "gemm1_fp8", gemm2="gemm2_fp8")
 
         impls.update(quant_rows=ref_quant_rows, quant_w=ref_quant_w,
                      quant_rows_gather=lambda x, row_src, meta, q, s: ref_quant_rows_gather(x, row_src, meta, q, s,
@@ -1044,10 +1051,16 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
             def dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
                 ref_dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, bm=bm)
 
-            from .fp8_ops import ref_quant_wt
+            from .fp8_ops import ref_quant_rows_used as _quant_used, ref_quant_wt
 
-            impls.update(gemm1_train=gemm1_train_fp8, dgrad1=dgrad1_fp8, dgrad2=dgrad2_fp8, quant_wt=ref_quant_wt)
-            tables.update(gemm1_train="gemm1_train_fp8", dgrad1="dgrad1_fp8", dgrad2="dgrad2_fp8")
+            def gemm1_train_hq_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, hq, hs, num_ctas):
+                ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z)
+                _quant_used(out, meta, hq, hs, bm=bm)
+
+            impls.update(gemm1_train=gemm1_train_hq_fp8 if fp8_h_quant else gemm1_train_fp8, dgrad1=dgrad1_fp8,
+                         dgrad2=dgrad2_fp8, quant_wt=ref_quant_wt)
+            tables.update(gemm1_train="gemm1_train_hq_fp8" if fp8_h_quant else "gemm1_train_fp8",
+                          dgrad1="dgrad1_fp8", dgrad2="dgrad2_fp8")
         if cfg.dtype == "mxfp8":
             def gemm1_train_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, z, num_ctas):
                 ref_gemm1_mx(a, w, bias, row, tile_group, meta, sfa, sfw, out, num_ctas, cfg=cfg, bm=bm, z=z)

@@ -117,6 +117,10 @@ SM90 = ArchSpace(
         Knob("z_store", ("gemm1",), ("ring", "direct"), search=("ring", "direct"),
              doc="GEMM 1 of a training step: z through the stage ring beside the output (TMA-stored by the storer "
                  "warp; needs epi_store ring) or 4-byte global stores by the consumer threads"),
+        Knob("h_quant", ("gemm1",), ("kernel", "epilogue"), search=None,
+             doc="FP8 specs: h's 1 x 128 e4m3 quantization for GEMM 2 by the quant_rows_used launch (kernel) or in "
+                 "GEMM 1's epilogue (epilogue: the 256-column GEMM 1 tile holds one scale block per row; built, "
+                 "not yet measured: bench/NOTES.md v26); derived: kernel"),
         Knob("bn", _BWD, _BN, search=_BN,
              doc="backward GEMMs' tile N; derived: the widest dividing N that fits (dgrad1: must divide ffn, and "
                  "its z chunk follows as min(16, bn/4))"),

@@ -196,6 +196,28 @@ def test_fp8_dgrad1_wide_compiles(tmp_path):
         assert not any(adv.values()), adv
 
 
+@pytest.mark.slow
+def test_fp8_h_quant_epilogue_compiles(tmp_path):
+    """``gemm1_h_quant=epilogue`` (opt-in): the inference and training FP8 GEMM 1 quantize h per 1 x 128 in their
+    epilogue and compile for sm_90a: e4m3 wgmma, the quad's two amax butterflies per row pair, 2-byte e4m3 stores
+    (a pair per fragment pair), no ptxas advisory."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", gemm1_h_quant="epilogue")
+    src = emit(plan)
+    keep = {"gemm1.py", "gemm1_train.py"}
+    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
+                      tmp_path, progress=False)
+    for k in ("gemm1", "gemm1_train"):
+        ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+        assert ".f32.e4m3.e4m3" in ptx and ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 32, k
+        assert ptx.count("shfl.sync.bfly") == 4 and ptx.count("st.global.b16") + ptx.count("st.global.u16") == 32, k
+    adv = build.ptxas_report(art)
+    if adv is not None:
+        assert not any(adv.values()), adv
+
+
 def _global_ops(ptx_path: Path) -> list[str]:
     """The global loads / stores and branches of a kernel's PTX, in order ("ld.global.v4", "bra", ...)."""
     out = []

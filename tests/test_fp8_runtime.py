@@ -122,3 +122,28 @@ def test_fp8_backward_sequence_and_two_streams():
         grads[streams] = g
     for name in ("x", "topk_weight", "w1", "w2"):
         assert torch.equal(getattr(grads[1], name), getattr(grads[2], name)), name
+
+
+def test_h_quant_in_gemm1_epilogue():
+    """Plan gemm1.h_quant "epilogue": GEMM 1 (its gemm1*_hq_fp8 tables) writes h's e4m3 rows and 1 x 128 scales
+    itself, quant_rows_used is not launched in the forward, and the forward and every gradient have the same
+    bits as with the quant_rows_used launch."""
+    spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=2)
+    pq = P.solve(spec, **BF16W, gemm1_h_quant="epilogue")
+    assert (pq.gemm1.h_quant, pq.train_gemm1.h_quant, pl.gemm1.h_quant) == ("epilogue", "epilogue", "kernel")
+    mq = CompiledMoE(spec, pq, functions=R.reference_kernels(spec, pq.bm, training=True, fp8_h_quant=True),
+                     allow_cpu=True)
+    assert mq.fp8_h_quant and not moe.fp8_h_quant
+    assert mq.launch_sequence(training=False) == ("routing", "quant_rows_gather", "gemm1", "gemm2", "combine")
+    assert "quant_rows_used" in mq.launch_sequence()   # dz's rows (the BF16 wgrad1) in the backward
+    assert torch.equal(mq(x, idx, wt, w1, w2), moe(x, idx, wt, w1, w2))
+    dy = torch.randn(x.shape[0], spec.hidden, generator=torch.Generator().manual_seed(4)).bfloat16()
+    (y1, s1), (y2, s2) = moe.forward_train(x, idx, wt, w1, w2), mq.forward_train(x, idx, wt, w1, w2)
+    assert torch.equal(y1, y2)
+    g1, g2 = moe.backward(dy, s1, x, wt, w1, w2), mq.backward(dy, s2, x, wt, w1, w2)
+    for name in ("x", "topk_weight", "w1", "w2"):
+        assert torch.equal(getattr(g1, name), getattr(g2, name)), name
+    # the kernels' tables: the inference and training GEMM 1 take hq / hs
+    from mokgen import kernels
+
+    assert [a.name for a in kernels.ARGS["gemm1_train_hq_fp8"]][-4:] == ["z", "hq", "hs", "num_ctas"]

@@ -266,6 +266,28 @@ def test_dgrad1_wide_same_bits(case):
     m256.check_errors()
 
 
+def test_h_quant_epilogue_same_bits(case):
+    """gemm1_h_quant=epilogue: GEMM 1 writes h's e4m3 rows and 1 x 128 scales in its epilogue (no quant_rows_used
+    launch), the bounded quantizer's math on the bf16 h: the forward and every gradient of a training step have
+    the same bits as with the quant_rows_used launch, and so does the inference forward (where ffn is a multiple
+    of 128: the 256-column GEMM 1)."""
+    spec, moe, inp = case
+    if spec.ffn % 128:
+        pytest.skip(f"ffn {spec.ffn} is no multiple of 128 (the 128-column GEMM 1 holds half a scale block a row)")
+    base = {k: v for k, v in OVERRIDES.items() if k != "gemm1_h_quant"}
+    mk = mokgen.compile(spec, overrides={**base, "gemm1_h_quant": "kernel"})
+    me = mokgen.compile(spec, overrides={**base, "gemm1_h_quant": "epilogue"})
+    assert (mk.plan.gemm1.h_quant, me.plan.gemm1.h_quant) == ("kernel", "epilogue")
+    assert "quant_rows_used" not in me.launch_sequence(training=False)
+    y1, y2 = run(mk, inp), run(me, inp)
+    torch.cuda.synchronize()
+    check(spec, inp, y2, "h_quant=epilogue")
+    assert torch.equal(bits(y1), bits(y2)), "inference forward bits differ with h_quant=epilogue"
+    _assert_same_step_bits(spec, mk, me, inp, 6, "gemm1_h_quant=epilogue")
+    mk.check_errors()
+    me.check_errors()
+
+
 def test_fp8_wgrads_same_bits_across_promotions_and_ctas(case, ctas):
     """With FP8 weight gradients (MOKGEN_GPU_OVERRIDES wgrad1_dtype=fp8 / wgrad2_dtype=fp8): dW1 / dW2 have the
     same bits under every promotion (serial; stagger: the two warpgroups one K block apart on tiles of at least

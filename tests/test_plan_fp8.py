@@ -262,3 +262,35 @@ def test_fp8_wide_gemm1(name):
         assert "tCrB_h = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB[p])) for p in range(PARTS)]" in src
         assert "mma_half" not in src and "sb_rows[p] = (n * BN * SB_N + p * SB_P) // 128" in src
     assert "MMA_SPLIT" not in emit(base).files["gemm1.py"]
+
+
+def test_fp8_h_quant_override():
+    """gemm1_h_quant=epilogue (opt-in, built, not yet measured): GEMM 1's 256-column tile quantizes h per 1 x 128
+    in its epilogue (one scale block per row of its 128 h columns); the 128-column tile, a BF16 spec and an
+    unknown value are refused with the reason; the emitted GEMM 1 files take hq / hs (gemm1*_hq_fp8 tables) and
+    the rest of the plan is unchanged."""
+    spec = load_spec("kimi-k2-fp8")
+    base, p = solve(spec), solve(spec, gemm1_h_quant="epilogue")
+    assert base.gemm1.h_quant == "kernel" and (p.gemm1.h_quant, p.train_gemm1.h_quant) == ("epilogue", "epilogue")
+    assert dataclasses.replace(p.gemm1, h_quant="kernel") == base.gemm1 and p.gemm2 == base.gemm2
+    assert p.backward == base.backward and not configs.check_plan(p)
+    assert configs.check_config(spec, "sm_90a", {"gemm1_h_quant": "epilogue"}) == []
+    for kw, msg in (({"gemm1_h_quant": "epilogue", "gemm1_bn": 128}, r"^plan\.gemm1_h_quant: epilogue needs the FP8 "
+                                                                     r"256-column GEMM 1 tile"),
+                    ({"gemm1_h_quant": "fused"}, r"^plan\.gemm1_h_quant: must be one of kernel, epilogue, got 'fused'$")):
+        with pytest.raises(PlanError, match=msg):
+            solve(spec, **kw)
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_h_quant: h's FP8 quantization applies to FP8 specs"):
+        solve(load_spec("kimi-k2"), gemm1_h_quant="epilogue")
+    with pytest.raises(PlanError, match=r"^plan\.gemm1_h_quant: epilogue needs the FP8 256-column GEMM 1 tile"):
+        solve(load_spec("gpt-oss-120b-fp8"), gemm1_h_quant="epilogue")   # ffn 2880: 128-column GEMM 1
+    assert configs.check_config(load_spec("kimi-k2"), "sm_90a", {"gemm1_h_quant": "epilogue"}) == [
+        "gemm1_h_quant: h's FP8 quantization applies to FP8 specs"]
+    bad = dataclasses.replace(base, gemm2=dataclasses.replace(base.gemm2, h_quant="epilogue"))
+    assert any(m.startswith("gemm2.h_quant 'epilogue': GEMM 1's choice") for m in configs.check_plan(bad))
+    files, plain = emit(p).files, emit(base).files
+    for f in ("gemm1.py", "gemm1_train.py"):
+        assert "mHQ: cute.Tensor" in files[f] and "pow2_scale(hm)" in files[f] and "mHQ" not in plain[f]
+        assert "hq: cute.Tensor" in files[f] and "hs: cute.Tensor" in files[f]
+    body = lambda src: [ln for ln in src.splitlines() if not ln.startswith("#")]   # noqa: E731 (header: the plan)
+    assert body(files["gemm2.py"]) == body(plain["gemm2.py"])
