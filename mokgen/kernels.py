@@ -152,6 +152,7 @@ _Q_ROWS = _t("q", "u8", "rows", "cols", written=True, doc="[rows, K] e4m3 bits o
 _S_ROWS = _t("s", "fp32", "rows", "cblocks", written=True, align=4,
              doc="[rows, K/128] power-of-two scale per 1x128 tile (the used rows)")
 
+_HQ_OUT = _t("out", "bf16", "rows", "N_OUT", doc="[rows, FFN] bf16 h: not written with hq / hs")
 # h's e4m3 rows and their 1 x 128 scales, written by GEMM 1's epilogue (the used rows; as quant_rows_used would)
 _HQ = (_t("hq", "u8", "rows", "N_OUT", written=True, doc="[rows, FFN] e4m3 bits of h (1 x 128 tiles; the used rows)"),
        _t("hs", "fp32", "rows", "(N_OUT + 127) // 128", written=True, align=4,
@@ -193,10 +194,10 @@ ARGS: dict[str, tuple[Arg, ...]] = {
                                     _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
                                     a_doc="x [T, H] (rows gathered by row_src)"),
     # GEMM 1 with h's 1 x 128 quantization in its epilogue (plan gemm1.h_quant "epilogue": GEMM 2's A operand
-    # written by GEMM 1, no quant_rows_used launch); the bf16 h is written as well
-    "gemm1_hq_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
-                                 *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
-    "gemm1_train_hq_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+    # written by GEMM 1, no quant_rows_used launch); the bf16 h is not written (the GPU kernel leaves `out` as it
+    # is; the reference writes it)
+    "gemm1_hq_fp8": _grouped_fp8(_ROW_SRC, _HQ_OUT, *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
+    "gemm1_train_hq_fp8": _grouped_fp8(_ROW_SRC, _HQ_OUT,
                                        _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
                                        *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
     "gemm2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),

@@ -925,7 +925,7 @@ class CompiledMoE:
         w1q, w1s = self._fp8_weights.get(f, w1, transpose=t)[:2]
         w2q, w2s = self._fp8_weights.get(f, w2, transpose=t)[:2]
         # h's 1 x 128 quantization for GEMM 2: in GEMM 1's epilogue (plan gemm1.h_quant "epilogue": its tables
-        # gemm1*_hq_fp8 take the e4m3 rows and scales too), else by quant_rows_used after it
+        # gemm1*_hq_fp8 take the e4m3 rows and scales, and the bf16 h is not written), else by quant_rows_used
         hq_kw = fp8_ops.alloc_rows(h) if self.fp8_h_quant else {}
         sfx = "_hq_fp8" if self.fp8_h_quant else "_fp8"
         if z is None:

@@ -200,7 +200,8 @@ def test_fp8_dgrad1_wide_compiles(tmp_path):
 def test_fp8_h_quant_epilogue_compiles(tmp_path):
     """``gemm1_h_quant=epilogue`` (opt-in): the inference and training FP8 GEMM 1 quantize h per 1 x 128 in their
     epilogue and compile for sm_90a: e4m3 wgmma, the quad's two amax butterflies per row pair, 2-byte e4m3 stores
-    (a pair per fragment pair), no ptxas advisory."""
+    (a pair per fragment pair), no bf16 h (no stmatrix of the output, and the inference GEMM 1 no TMA store at
+    all: the training one still TMA-stores z), no ptxas advisory."""
     pytest.importorskip("cutlass")
     from mokgen import build
 
@@ -213,6 +214,8 @@ def test_fp8_h_quant_epilogue_compiles(tmp_path):
         ptx = (Path(art.dir) / f"{k}.ptx").read_text()
         assert ".f32.e4m3.e4m3" in ptx and ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 32, k
         assert ptx.count("shfl.sync.bfly") == 4 and ptx.count("st.global.b16") + ptx.count("st.global.u16") == 32, k
+        assert "stmatrix" not in ptx, k   # no bf16 h through the epilogue stages
+    assert "cp.async.bulk.tensor.2d.global.shared" not in (Path(art.dir) / "gemm1.ptx").read_text()   # no TMA store
     adv = build.ptxas_report(art)
     if adv is not None:
         assert not any(adv.values()), adv
