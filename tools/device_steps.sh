@@ -3,7 +3,8 @@
 #
 #     bash tools/device_steps.sh STEP [STEP ...]
 #
-# Steps (quote each; SPECS: space-separated preset names or YAML paths, each SPEC[@k=v,...]; FILE: under tests/):
+# Steps (quote each; SPECS: space-separated preset names or YAML paths, for timeline and ncu each SPEC[@k=v,...];
+# bwd / fwd take plan variants only through --variants in BWD_ARGS / FWD_ARGS, for every spec; FILE: under tests/):
 #   test:FILE:PRESETS[:K=V,...]   pytest FILE with MOKGEN_GPU_PRESETS=PRESETS (and MOKGEN_GPU_OVERRIDES); log in $OUT
 #   timeline:SPECS                tools/step_timeline.py (sustained per-kernel times) -> $OUT/step-timeline.jsonl
 #   bwd:SPECS                     tools/bench_backward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/backward-h200.json
