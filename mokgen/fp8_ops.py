@@ -163,20 +163,24 @@ def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
     """Allocate q uint8 [rows, K] and s fp32 [rows, K / 128] for a row-quantizing kernel of x [.., K] and launch
     it (nothing to launch for an empty x)."""
     K = x.shape[1]
-    q = torch.empty((rows, K), dtype=torch.uint8, device=x.device)
-    s = torch.empty((rows, _blocks(K)), dtype=torch.float32, device=x.device)
+    q, s = _row_buffers(rows, K, x.device)
     if rows and K and x.shape[0]:
         with _stream(x):
             call(fns, kernel, x=x, **kw, q=q, s=s)
     return q, s
 
 
+def _row_buffers(rows: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """q uint8 [rows, K] and s fp32 [rows, K / 128]: what a row quantization fills."""
+    return (torch.empty((rows, K), dtype=torch.uint8, device=device),
+            torch.empty((rows, _blocks(K)), dtype=torch.float32, device=device))
+
+
 def alloc_rows(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{"hq": uint8 [rows, K], "hs": fp32 [rows, K / 128]}`` for x [rows, K]: the buffers a row quantization of x
-    fills, for a kernel that quantizes in its epilogue (GEMM 1's h: plan gemm1.h_quant "epilogue")."""
-    rows, K = x.shape
-    return dict(hq=torch.empty((rows, K), dtype=torch.uint8, device=x.device),
-                hs=torch.empty((rows, _blocks(K)), dtype=torch.float32, device=x.device))
+    """``{"hq": q, "hs": s}``, the row quantization buffers of x [rows, K], for a kernel that quantizes in its
+    epilogue (GEMM 1's h: plan gemm1.h_quant "epilogue")."""
+    hq, hs = _row_buffers(*x.shape, x.device)
+    return dict(hq=hq, hs=hs)
 
 
 def quantize_rows(fns: Mapping[str, Callable[..., Any]], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

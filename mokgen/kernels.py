@@ -99,6 +99,8 @@ _W_N = _t("w", "bf16", "GROUPS", "K_DIM", "N_OUT", doc="weights read transposed 
 _ROW_SRC = _t("row", "int32", "rows", doc="[rows] row_src: token of each padded row (padding: token 0)")
 _ROW_W = _t("row", "fp32", "rows", doc="[rows] row_w: routing weight of each padded row (0: padding)")
 _Z = _t("z", "bf16", "rows", "2 * N_OUT", doc="[rows, 2 N_OUT] pre-activation z in W1's row order")
+_Z_OUT = _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)")   # GEMM 1 training forms
+_H_OUT = _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h")   # GEMM 1's output
 _WGRAD = (
     _t("a", "bf16", "rows", "M_OUT", doc="[rows, M_OUT] rows of the left operand (grouped by expert)"),
     _t("b", "bf16", "rows", "N_OUT", doc="[rows, N_OUT] rows of the right operand"),
@@ -181,25 +183,20 @@ ARGS: dict[str, tuple[Arg, ...]] = {
         _t("slot_pos", "int32", "tokens", "SLOTS", doc="[T, slots] padded row of each slot (-1: none)"),
         _t("y", "bf16", "tokens", "HIDDEN", written=True, doc="[T, H] sum over each token's slots, fixed order"),
     ),
-    "gemm1": _grouped(_W_K, _ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+    "gemm1": _grouped(_W_K, _ROW_SRC, _H_OUT,
                       a_doc="x [T, H] (rows gathered by row_src) or gathered rows xg [rows, H]"),
-    "gemm1_train": _grouped(_W_K, _ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
-                            _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+    "gemm1_train": _grouped(_W_K, _ROW_SRC, _H_OUT, _Z_OUT,
                             a_doc="x [T, H] (rows gathered by row_src) or gathered rows xg [rows, H]"),
     "gemm2": _grouped(_W_K, _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                       a_doc="h [rows, FFN]"),
-    "gemm1_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
-                              a_doc="x [T, H] (rows gathered by row_src)"),
-    "gemm1_train_fp8": _grouped_fp8(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
-                                    _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+    "gemm1_fp8": _grouped_fp8(_ROW_SRC, _H_OUT, a_doc="x [T, H] (rows gathered by row_src)"),
+    "gemm1_train_fp8": _grouped_fp8(_ROW_SRC, _H_OUT, _Z_OUT,
                                     a_doc="x [T, H] (rows gathered by row_src)"),
     # GEMM 1 with h's 1 x 128 quantization in its epilogue (plan gemm1.h_quant "epilogue": GEMM 2's A operand
     # written by GEMM 1, no quant_rows_used launch); the bf16 h is not written (the GPU kernel leaves `out` as it
     # is; the reference writes it)
     "gemm1_hq_fp8": _grouped_fp8(_ROW_SRC, _HQ_OUT, *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
-    "gemm1_train_hq_fp8": _grouped_fp8(_ROW_SRC, _HQ_OUT,
-                                       _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
-                                       *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
+    "gemm1_train_hq_fp8": _grouped_fp8(_ROW_SRC, _HQ_OUT, _Z_OUT, *_HQ, a_doc="x [T, H] (rows gathered by row_src)"),
     "gemm2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                               a_doc="h [rows, FFN]"),
     "dgrad1_fp8": _grouped_fp8(
@@ -210,12 +207,11 @@ ARGS: dict[str, tuple[Arg, ...]] = {
         a_doc="dO rows gathered by token [rows, H] (quant_rows_gather)"),
     "dgrad2_fp8": _grouped_fp8(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] dx per slot"),
                                a_doc="dz [rows, 2 FFN] (quant_rows_used)"),
-    "gemm1_mx": _grouped_mx(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
+    "gemm1_mx": _grouped_mx(_ROW_SRC, _H_OUT,
                             a_doc="gathered, quantized rows xq [rows, H] (quant_mx_gather)"),
     "gemm2_mx": _grouped_mx(_ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, H] weighted ys"),
                             a_doc="quantized h [rows, FFN] (quant_mx_used)"),
-    "gemm1_train_mx": _grouped_mx(_ROW_SRC, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] h"),
-                                  _t("z", "bf16", "rows", "2 * N_OUT", written=True, doc=_Z.doc + " (written)"),
+    "gemm1_train_mx": _grouped_mx(_ROW_SRC, _H_OUT, _Z_OUT,
                                   a_doc="gathered, quantized rows xq [rows, H] (quant_mx_gather)"),
     "dgrad1_mx": _grouped_mx(
         _ROW_W, _t("out", "bf16", "rows", "N_OUT", written=True, doc="[rows, FFN] s * a (for dW2)"),

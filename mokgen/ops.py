@@ -162,12 +162,10 @@ def group_sums(onehot: torch.Tensor, tile_group: torch.Tensor, rows: torch.Tenso
 def fp8_h_quant(plan: Any) -> bool:
     """Whether an FP8 plan's GEMM 1 quantizes h per 1 x 128 in its epilogue (plan ``gemm1.h_quant``; the
     training GEMM 1 must agree: one GEMM 1 plan for both on FP8)."""
-    g1 = getattr(plan, "gemm1", None)
-    on = getattr(g1, "h_quant", "kernel") == "epilogue"
-    g1t = getattr(plan, "train_gemm1", g1) if hasattr(plan, "backward") else g1
-    if getattr(g1t, "h_quant", "kernel") != getattr(g1, "h_quant", "kernel"):
+    mode = getattr(getattr(plan, "gemm1", None), "h_quant", "kernel")
+    if getattr(getattr(plan, "train_gemm1", None), "h_quant", mode) != mode:
         raise ValueError("plan: the inference and training GEMM 1 disagree on h_quant")
-    return on
+    return mode == "epilogue"
 
 
 def slot_group_weights(slot_pos: torch.Tensor, tile_group: torch.Tensor, row_w: torch.Tensor, bm: int,

@@ -1003,8 +1003,9 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
 
         from .fp8_ops import ref_quant_rows, ref_quant_rows_gather, ref_quant_rows_used, ref_quant_w
 
-        def gemm1_hq_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, hq, hs, num_ctas):
-            ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
+        def gemm1_hq_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, hq, hs, num_ctas, z=None):
+            """GEMM 1 quantizing h in its epilogue (tables gemm1_hq_fp8 and, with z, gemm1_train_hq_fp8)."""
+            ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z)
             ref_quant_rows_used(out, meta, hq, hs, bm=bm)
 
         impls.update(gemm1=gemm1_hq_fp8 if fp8_h_quant else gemm1_fp8, gemm2=gemm2_fp8)
@@ -1051,13 +1052,9 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
             def dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
                 ref_dgrad2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, bm=bm)
 
-            from .fp8_ops import ref_quant_rows_used as _quant_used, ref_quant_wt
+            from .fp8_ops import ref_quant_wt
 
-            def gemm1_train_hq_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, hq, hs, num_ctas):
-                ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z)
-                _quant_used(out, meta, hq, hs, bm=bm)
-
-            impls.update(gemm1_train=gemm1_train_hq_fp8 if fp8_h_quant else gemm1_train_fp8, dgrad1=dgrad1_fp8,
+            impls.update(gemm1_train=gemm1_hq_fp8 if fp8_h_quant else gemm1_train_fp8, dgrad1=dgrad1_fp8,
                          dgrad2=dgrad2_fp8, quant_wt=ref_quant_wt)
             tables.update(gemm1_train="gemm1_train_hq_fp8" if fp8_h_quant else "gemm1_train_fp8",
                           dgrad1="dgrad1_fp8", dgrad2="dgrad2_fp8")
