@@ -836,6 +836,14 @@ def _wgrad_dtypes(spec: Spec, arch: str, plan: Plan, wgrad_dtypes: Mapping[str, 
     return plan
 
 
+def fp8_only_keys(overrides: Mapping[str, Any]) -> list[str]:
+    """The overrides only an FP8 spec takes: promotion modes, where the scales are read from, h's quantization and
+    FP8 weight gradients (a BF16 spec refuses each, below; benches skip such variants for the BF16 twins)."""
+    return [k for k, v in overrides.items()
+            if k in ("promote", "scale_load", "gemm1_h_quant") or k.endswith(("_promote", "_scale_load"))
+            or (k in WGRAD_DTYPE_KEYS and v == "fp8")]
+
+
 def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     promote_keys = [k for k in overrides if k == "promote" or k.endswith("_promote")]
     scale_keys = [k for k in overrides if k == "scale_load" or k.endswith("_scale_load")]

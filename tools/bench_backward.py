@@ -69,6 +69,7 @@ import torch  # noqa: E402
 
 from mokgen import baselines as B  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen import plan as P  # noqa: E402
 
 DEFAULT_SPECS = list(BF.DEFAULT_SPECS)
 DRY_RUN_SPECS = BF.DRY_RUN_SPECS
@@ -370,7 +371,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
         run("torch_grouped_mm", lambda: B.torch_grouped_mm(x, idx, tw, w1, w2, spec, b1=b1, b2=b2))
     mokgen_runs = [("mokgen", None)] if "mokgen" in impls else []
     for v in variants or []:
-        fp8_only = [k for k in v if k.endswith(("_promote", "_dtype")) or k == "promote"]
+        fp8_only = P.fp8_only_keys(v)
         if fp8_only and getattr(spec, "dtype", "bf16") != "fp8":   # FP8 knobs: a variant of the FP8 twins only
             _log(f"[{shape}] {BF.variant_name(v)}: skipped ({', '.join(fp8_only)} apply to dtype fp8 specs)")
             continue
