@@ -104,16 +104,15 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         if key in P.FP8_BN_KEYS:   # 128, or 256 in two wgmma halves (plan.fp8_widen)
             if cfg[key] not in P.FP8_BNS:
                 out.append(f"{key}: FP8 tiles are {' or '.join(map(str, P.FP8_BNS))} columns wide")
-            elif cfg[key] != P.FP8_BN and kernel == "gemm1" and spec.ffn % P.FP8_BN:
-                out.append(f"{key}: {cfg[key]} columns (128 per part) need ffn a multiple of 128")
-            elif kernel == "dgrad1" and spec.ffn % cfg[key]:
-                out.append(f"{key}: {cfg[key]} columns need ffn a multiple of {cfg[key]} (the dSwiGLU epilogue)")
+            elif why := P.fp8_tile_shape_problem(spec, P.FP8_GEMM_INDEX[kernel], cfg[key]):
+                out.append(f"{key}: {cfg[key]} columns {why}")
             elif cfg[key] != P.FP8_BN and cfg.get(f"{kernel}_promote", "serial") != "serial":
                 out.append(f"{key}: {cfg[key]} columns promote their halves in turn (serial), not "
                            f"{cfg[f'{kernel}_promote']}")
             elif cfg[key] != P.FP8_BN and kernel.startswith("gemm") and cfg.get(f"{kernel}_cluster",
                                                                                 cfg.get("cluster", 1)) != 1:
-                out.append(f"{key}: {cfg[key]} columns need cluster 1")
+                out.append(f"{key}: {cfg[key]} columns need cluster 1, got "
+                           f"{cfg.get(f'{kernel}_cluster', cfg.get('cluster', 1))}")
         elif kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):

@@ -917,10 +917,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             continue
         if bn not in FP8_BNS:
             raise PlanError(f"plan.{key}: FP8 tiles are {' or '.join(map(str, FP8_BNS))} columns wide, got {bn}")
-        if bn == FP8_BN:   # only dgrad1 plans another width (64 columns where 128 does not divide ffn)
-            raise PlanError(f"plan.{key}: {bn} columns need ffn a multiple of {bn} (the dSwiGLU epilogue), got "
-                            f"{spec.ffn}")
-        if (why := fp8_wide_problem(spec, which, g)) is not None:
+        if (why := (fp8_tile_shape_problem(spec, which, bn) if bn == FP8_BN   # only dgrad1 plans another width
+                    else fp8_wide_problem(spec, which, g))) is not None:
             raise PlanError(f"plan.{key}: {bn} columns {why}")
         g = fp8_widen(a, which, g, spec.ffn if which in (1, 3) else spec.hidden)   # gemm2, dgrad2: H columns
         if which == 1:
@@ -1123,14 +1121,26 @@ def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
             or str(cluster) != "1")
 
 
-def fp8_wide_problem(spec: Spec, which: int, g: GemmPlan) -> str | None:
-    """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) of `spec` cannot take 256-column tiles, or None."""
+def fp8_tile_shape_problem(spec: Spec, which: int, bn: int) -> str | None:
+    """Why `spec`'s shape keeps FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) off `bn`-column tiles (128 or
+    256), or None: the one statement of the rule, for the solver and the config check (configs)."""
+    if bn == FP8_BN:   # dgrad1's dSwiGLU epilogue needs whole tiles of ffn (else fp8_gemm plans 64 columns)
+        return (f"need ffn a multiple of {FP8_BN} (the dSwiGLU epilogue), got {spec.ffn}"
+                if which == 3 and spec.ffn % FP8_BN else None)
     if which not in FP8_WIDE:
         return "applies to gemm1, gemm2, dgrad1 and dgrad2 only"
     if which == 1 and spec.ffn % FP8_BN:
         return f"(128 gate + 128 up) need ffn a multiple of 128, got {spec.ffn}"
     if which == 3 and spec.ffn % (2 * FP8_BN):
         return f"need ffn a multiple of 256 (the dSwiGLU epilogue's tiles divide it), got {spec.ffn}"
+    return None
+
+
+def fp8_wide_problem(spec: Spec, which: int, g: GemmPlan) -> str | None:
+    """Why FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) of `spec`, planned as `g`, cannot take 256-column
+    tiles, or None."""
+    if (why := fp8_tile_shape_problem(spec, which, 2 * FP8_BN)) is not None:
+        return why
     if g.cluster != 1:
         return f"needs cluster 1, got {g.cluster}"
     return None

@@ -110,7 +110,14 @@ def test_fp8_overrides():
         "dgrad1_stages: the FP8 dgrad's tile is fixed (stages)"]
     assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == []   # opt-in: plan.fp8_widen
     assert configs.check_config(load_spec("gpt-oss-120b-fp8"), "sm_90a", {"dgrad1_bn": 256}) == [
-        "dgrad1_bn: 256 columns need ffn a multiple of 256 (the dSwiGLU epilogue)"]
+        "dgrad1_bn: 256 columns need ffn a multiple of 256 (the dSwiGLU epilogue's tiles divide it), got 2880"]
+    # one rule, one sentence: the config check says what the solver raises (plan.fp8_tile_shape_problem)
+    oss = load_spec("gpt-oss-120b-fp8")
+    for cfg in ({"dgrad1_bn": 128}, {"dgrad1_bn": 256}, {"gemm1_bn": 256}):
+        (msg,) = configs.check_config(oss, "sm_90a", cfg)
+        with pytest.raises(PlanError) as err:
+            solve(oss, **cfg)
+        assert str(err.value) == f"plan.{msg}", (cfg, msg, str(err.value))
     assert configs.check_config(spec, "sm_90a", {"promote": "overlap", "wgrad1_bn": 128}) == []
     p = solve(spec, cluster=2)   # W-tile multicast to M-tile pairs: the forward GEMMs only
     assert (p.gemm1.cluster, p.gemm2.cluster, p.backward.dgrad1.cluster) == (2, 2, 1) and not configs.check_plan(p)
@@ -228,7 +235,7 @@ def test_fp8_wide_tiles_refused():
     assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "gemm2_promote": "overlap"}) == [
         "gemm2_bn: 256 columns promote their halves in turn (serial), not overlap"]
     assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "cluster": 2}) == [
-        "gemm2_bn: 256 columns need cluster 1"]
+        "gemm2_bn: 256 columns need cluster 1, got 2"]
     narrow = solve(spec, gemm1_bn=128)
     assert any("mma_split" in m for m in configs.check_plan(dataclasses.replace(
         narrow, gemm1=dataclasses.replace(narrow.gemm1, mma_split=2))))
@@ -246,7 +253,7 @@ def test_fp8_wide_gemm1(name):
                                             r"multiple of 128, got 2880$"):
             solve(spec, gemm1_bn=256)
         assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == [
-            "gemm1_bn: 256 columns (128 per part) need ffn a multiple of 128"]
+            "gemm1_bn: 256 columns (128 gate + 128 up) need ffn a multiple of 128, got 2880"]
         return
     base, p = solve(spec, gemm1_bn=128), solve(spec, gemm1_bn=256)
     assert p == solve(spec) and (base.gemm1.bn, base.gemm1.promote) == (128, "overlap")
