@@ -878,7 +878,7 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             if k not in promote_keys and k not in scale_keys
             and k not in ("dgrad1_z_chunk", "dgrad1_z_load", "gemm1_h_quant") and k not in fp8_bn}
     # the GEMMs that keep the default 256-column tile: those whose tile no override fixes
-    wide = tuple(name for name, _ in FP8_WIDE_DEFAULT if not _fp8_tile_asked(name, overrides))
+    wide = _fp8_wide_kept(overrides)
     if not rest:
         plan = _settle_epi_store(_candidates_any(spec, arch, fp8_wide=wide)[0], {})
     else:   # the FP8 GEMMs run cooperative 128-row tiles: the routing tile (plan.bm) follows
@@ -1121,6 +1121,11 @@ def _fp8_tile_asked(name: str, overrides: Mapping[str, Any]) -> bool:
             or str(cluster) != "1")
 
 
+def _fp8_wide_kept(overrides: Mapping[str, Any]) -> tuple[str, ...]:
+    """The FP8 GEMMs of FP8_WIDE_DEFAULT that keep their default 256-column tile: those no override fixes."""
+    return tuple(name for name, _ in FP8_WIDE_DEFAULT if not _fp8_tile_asked(name, overrides))
+
+
 def fp8_tile_shape_problem(spec: Spec, which: int, bn: int) -> str | None:
     """Why `spec`'s shape keeps FP8 GEMM `which` (1, 2, 3 = dgrad1, 4 = dgrad2) off `bn`-column tiles (128 or
     256), or None: the one statement of the rule, for the solver and the config check (configs)."""
@@ -1253,7 +1258,7 @@ def _solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         return fused_tiles_ok(spec, p.gemm1, p.gemm2) and p.gemm1.consumer == p.gemm2.consumer == "cooperative"
 
     # an FP8 spec's candidates keep the 128-column GEMM 2 where these overrides fix its tile (stages, cluster)
-    wide = tuple(n for n, _ in FP8_WIDE_DEFAULT if not _fp8_tile_asked(n, overrides))
+    wide = _fp8_wide_kept(overrides)
     best = next(
         (p for p in _candidates_any(spec, arch, fp8_wide=wide)
          if p.gemm1.bn == overrides.get("gemm1_bn", p.gemm1.bn) and p.gemm2.bn == overrides.get("gemm2_bn", p.gemm2.bn)
