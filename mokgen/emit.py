@@ -393,9 +393,9 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
             raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 (or 128 x 256 in two wgmma halves, mma_split 2) "
                             f"with 128-row K steps that divide the routing tile (got bn {g.bn}, mma_split "
                             f"{g.mma_split}, bk {g.bk}, routing tile {plan.bm})")
-        if g.mma_split == 2 and g.promote != "serial":
-            raise EmitError(f"{what}.promote: the 128 x 256 FP8 wgrad promotes its halves in turn (serial), got "
-                            f"{g.promote!r}")
+        if g.mma_split == 2 and g.promote not in ("serial", "stagger"):
+            raise EmitError(f"{what}.promote: the 128 x 256 FP8 wgrad promotes its halves in turn (serial, or "
+                            f"stagger), got {g.promote!r}")
     if not accumulate:
         _check_smem(plan, g.smem_bytes(), f"{what}: {g.stages} stages")
     epi_ring, epi_w = _epi_ring(g, 1, what) if not accumulate else (False, 0)

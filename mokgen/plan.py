@@ -725,6 +725,9 @@ def _mxfp8_arch(spec: Spec, arch: str) -> None:
 
 
 WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
+# the promotions of the 128 x 256 FP8 weight gradient (halves in turn; stagger offsets the two warpgroups by one
+# half, opt-in: ``wgrad*_bn=256,wgrad*_promote=stagger``)
+FP8_WGRAD_SPLIT_PROMOTES = ("serial", "stagger")
 
 
 # An FP8 training plan's weight gradients: FP8 unless overridden (``wgrad*_dtype=bf16``). Measured on the H200,
@@ -801,9 +804,9 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         g = plan.backward and getattr(plan.backward, name)
         if g is None or g.elem_bytes != 1:
             raise PlanError(f"plan.{key}: the promotion applies to FP8 weight gradients ({name}_dtype=fp8)")
-        if g.mma_split == 2 and value != "serial":
-            raise PlanError(f"plan.{key}: the 128 x 256 FP8 {name} promotes its two halves in turn (serial), got "
-                            f"{value!r}")
+        if g.mma_split == 2 and value not in FP8_WGRAD_SPLIT_PROMOTES:
+            raise PlanError(f"plan.{key}: the 128 x 256 FP8 {name} promotes its two halves in turn (serial, or "
+                            f"stagger: the warpgroups offset by one half), got {value!r}")
         plan = dataclasses.replace(plan, backward=dataclasses.replace(
             plan.backward, **{name: dataclasses.replace(g, promote=value)}))
     return plan

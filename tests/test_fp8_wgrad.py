@@ -3,6 +3,8 @@ one-line errors, the runtime's launches (the column quantizers, the wgrad*_fp8 a
 kernels, and the gradients against the float64 product of the operands the BF16 weight gradients read, each
 quantized per 128 x 1 tile as the kernels quantize them."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -310,8 +312,8 @@ def test_plan_fp8_wgrad_wide():
                      r"^plan\.wgrad1_bn: FP8 weight gradients run 128 x 128 or 128 x 256 tiles \(wgrad1_dtype=fp8\), "
                      r"got 192$"),
                     (dict(wgrad2_dtype="fp8", wgrad2_bn=256, wgrad2_promote="overlap"),
-                     r"^plan\.wgrad2_promote: the 128 x 256 FP8 wgrad2 promotes its two halves in turn \(serial\), "
-                     r"got 'overlap'$")):
+                     r"^plan\.wgrad2_promote: the 128 x 256 FP8 wgrad2 promotes its two halves in turn \(serial, or "
+                     r"stagger: the warpgroups offset by one half\), got 'overlap'$")):
         with pytest.raises(P.PlanError, match=msg):
             P.solve(spec, **kw)
     from mokgen import configs
@@ -320,13 +322,40 @@ def test_plan_fp8_wgrad_wide():
     assert configs.check_plan(wide) == [] and configs.check_config(spec, "sm_90a", dict(wgrad1_dtype="fp8", wgrad1_bn=256)) == []
     assert configs.check_config(spec, "sm_90a", dict(wgrad1_dtype="fp8", wgrad1_bn=192)) == [
         "wgrad1_bn: FP8 weight gradients run 128 x 128 or 128 x 256 tiles"]
-    assert configs.check_config(spec, "sm_90a", dict(wgrad2_dtype="fp8", wgrad2_bn=256, wgrad2_promote="stagger")) == [
-        "wgrad2_promote: the 128 x 256 FP8 weight gradient promotes its halves in turn (serial)"]
+    assert configs.check_config(spec, "sm_90a", dict(wgrad2_dtype="fp8", wgrad2_bn=256, wgrad2_promote="overlap")) == [
+        "wgrad2_promote: the 128 x 256 FP8 weight gradient promotes its halves in turn (serial, or stagger)"]
+    assert configs.check_config(spec, "sm_90a", dict(wgrad2_dtype="fp8", wgrad2_bn=256, wgrad2_promote="stagger")) == []
     files = emit(wide).files
     for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc"):
         src = files[f"{k}.py"]
         assert "MMA_SPLIT = 2" in src and "BN = 256" in src and "mma_half" in src and "tCrB_h" in src, k
     assert "MMA_SPLIT = 1" in emit(base).files["wgrad1.py"]
+
+
+def test_plan_fp8_wgrad_split_stagger():
+    """``wgrad*_dtype=fp8, wgrad*_bn=256, wgrad*_promote=stagger`` (opt-in): the 128 x 256 tile with its warpgroups offset by one
+    half (warpgroup 1 waits on named barrier STAGGER_BAR until warpgroup 0's first half has retired, once per tile
+    with at least STAGES K blocks); everything else as the serial split tile. ``wgrad*_promote=stagger`` alone keeps
+    meaning the 128 x 128 staggered tile."""
+    spec = _spec()
+    wide = P.solve(spec)
+    st = P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=256, wgrad1_promote="stagger", wgrad2_dtype="fp8", wgrad2_bn=256,
+                 wgrad2_promote="stagger")
+    for name in ("wgrad1", "wgrad2"):
+        g, w = getattr(st.backward, name), getattr(wide.backward, name)
+        assert (g.bn, g.mma_split, g.promote) == (256, 2, "stagger")
+        assert g == dataclasses.replace(w, promote="stagger")
+    assert P.solve(spec, wgrad1_promote="stagger").backward.wgrad1.bn == 128
+    from mokgen import configs
+    from mokgen.emit import emit
+
+    assert configs.check_plan(st) == []
+    files, plain = emit(st).files, emit(wide).files
+    for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc"):
+        src = files[f"{k}.py"]
+        assert "MMA_SPLIT = 2" in src and "STAGGER_BAR = 5" in src, k
+        assert src.count("barrier_id=STAGGER_BAR") == 2 and "staggered = k_tiles >= STAGES" in src, k
+        assert "STAGGER_BAR" not in plain[f"{k}.py"], k
 
 
 def test_explain_shows_the_backward_choices():

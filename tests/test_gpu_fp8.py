@@ -266,6 +266,31 @@ def test_dgrad1_wide_same_bits(case):
     m256.check_errors()
 
 
+def test_wgrad_split_stagger_same_bits(case, ctas):
+    """The 128 x 256 FP8 weight gradients with their warpgroups staggered by one half (wgrad*_promote=stagger with
+    wgrad*_bn=256: warpgroup 1 starts a tile once warpgroup 0's first half has retired) add the same products in
+    the same order as the serial split tile: a training step has the same bits (random and skewed routing), also
+    at half the SMs' CTAs."""
+    spec, moe, inp = case
+    base = {k: v for k, v in OVERRIDES.items() if not k.startswith(("wgrad1_", "wgrad2_"))}
+    wide = {f"{n}_{k}": v for n in ("wgrad1", "wgrad2") for k, v in (("dtype", "fp8"), ("bn", 256))}
+    ms = mokgen.compile(spec, overrides={**base, **wide})
+    mt = mokgen.compile(spec, overrides={**base, **wide, "wgrad1_promote": "stagger", "wgrad2_promote": "stagger"})
+    for n in ("wgrad1", "wgrad2"):
+        assert (getattr(ms.plan.backward, n).promote, getattr(mt.plan.backward, n).promote) == ("serial", "stagger")
+        assert getattr(mt.plan.backward, n).mma_split == 2
+    _assert_same_step_bits(spec, ms, mt, inp, 8, "the staggered split wgrads")
+    dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
+    g = [m.backward(dy, m.forward_train(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2,
+                                        num_ctas=c)[1], inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2,
+                    num_ctas=c) for m, c in ((ms, ctas.full), (mt, ctas.half))]
+    torch.cuda.synchronize()
+    for n in ("w1", "w2"):
+        assert torch.equal(bits(getattr(g[0], n)), bits(getattr(g[1], n))), f"d{n}: {ctas.half} CTAs staggered"
+    ms.check_errors()
+    mt.check_errors()
+
+
 def test_h_quant_epilogue_same_bits(case):
     """gemm1_h_quant=epilogue: GEMM 1 writes h's e4m3 rows and 1 x 128 scales in its epilogue (no quant_rows_used
     launch), the bounded quantizer's math on the bf16 h: the forward and every gradient of a training step have
