@@ -725,9 +725,17 @@ def _mxfp8_arch(spec: Spec, arch: str) -> None:
 
 
 WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
-# the promotions of the 128 x 256 FP8 weight gradient (halves in turn; stagger offsets the two warpgroups by one
-# half, opt-in: ``wgrad*_bn=256,wgrad*_promote=stagger``)
+# the promotions of the 128 x 256 FP8 weight gradient: its halves in turn, the two warpgroups either together
+# ("serial") or one half apart ("stagger": warpgroup 1 starts a tile once warpgroup 0's first half has retired,
+# so one's wgmma runs while the other promotes; tiles of at least STAGES K blocks). The same products in the same
+# order: the same bits (GPU test_wgrad_split_stagger_same_bits). "stagger" is the default: measured on an H100
+# (bench/NOTES.md v27), sustained timelines with the forms interleaved, each wgrad over dgrad2 of the same item
+# (the unchanged kernel, against the run-order drift): wgrad1 1.248 / 1.314 vs 1.322 (kimi-k2-fp8), 1.318 vs
+# 1.401 (glm-5-fp8); wgrad2 0.641 / 0.673 vs 0.691, 0.663 vs 0.674; bench_backward 5 rounds interleaved,
+# forward+backward kimi-k2-fp8 5.828 vs 5.985 ms (lower in 5 of 5 rounds), glm-5-fp8 5.074 vs 5.126,
+# qwen3.5-397b-a17b-fp8 2.549 vs 2.603 (mixed rounds: within noise).
 FP8_WGRAD_SPLIT_PROMOTES = ("serial", "stagger")
+FP8_WGRAD_SPLIT_PROMOTE = "stagger"
 
 
 # An FP8 training plan's weight gradients: FP8 unless overridden (``wgrad*_dtype=bf16``). Measured on the H200,
@@ -740,12 +748,13 @@ FP8_WGRAD_DEFAULT = "fp8"
 # with GEMM 1's z ring, against 7.23 / 6.25 serial with z direct (a ~2-3% gain for the pair, not for overlap
 # alone). ``wgrad*_promote`` overrides it.
 FP8_WGRAD_PROMOTE = "overlap"
-# ... and their tile: 128 x 256 (fp8_wgrad_wide: its two column halves promoted in turn, serial) wherever no
-# ``wgrad*_bn`` and no other promotion is asked for. Measured on the H100, same process, 3 rounds (bench/NOTES.md
+# ... and their tile: 128 x 256 (fp8_wgrad_wide: its two column halves promoted in turn, FP8_WGRAD_SPLIT_PROMOTE)
+# wherever no ``wgrad*_bn`` and no promotion of the 128 x 128 tile alone (overlap) is asked for. Measured on the H100, same process, 3 rounds (bench/NOTES.md
 # v23), forward+backward against the 128 x 128 overlapped form: kimi-k2-fp8 6.441 vs 6.463 ms, glm-5-fp8 5.347 vs
 # 5.502, deepseek-v4-pro-fp8 7.000 vs 7.183, qwen3.5-397b-a17b-fp8 2.513 vs 2.539, gpt-oss-120b-fp8 8.367 vs
-# 8.398, qwen3-30b-a3b-fp8 2.243 vs 2.244: never slower, 0-2.9% faster. The 128 x 128 forms stay reachable
-# (``wgrad*_bn=128``; the overlap and stagger promotions are forms of that tile) and tune --train searches them.
+# 8.398, qwen3-30b-a3b-fp8 2.243 vs 2.244: never slower, 0-2.9% faster (both serial then). The 128 x 128 forms
+# stay reachable (``wgrad*_bn=128``, with any promotion; ``wgrad*_promote=overlap`` alone) and tune --train
+# searches them.
 
 
 def wgrad_default_applies(spec: Spec, name: str, overrides: Mapping[str, Any]) -> bool:
@@ -761,7 +770,7 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     wgrad_dtypes.update({k: FP8_WGRAD_DEFAULT for k in defaults})
     wgrad_promotes = {k: overrides.pop(k) for k in WGRAD_PROMOTE_KEYS if k in overrides}
     # an FP8 weight gradient's tile: fp8_wgrad_wide's 128 x 256 (the default: see FP8_WGRAD_PROMOTE), or
-    # fp8_wgrad's 128 x 128 where ``wgrad*_bn=128`` or a promotion other than serial (a form of the 128 x 128 tile)
+    # fp8_wgrad's 128 x 128 where ``wgrad*_bn=128`` or the overlapped promotion (a form of the 128 x 128 tile only)
     # is asked for; its stages apply to that tile
     fp8_stages, fp8_wide = {}, []
     for key, value in wgrad_dtypes.items():
@@ -776,7 +785,7 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             if bn == 2 * FP8_BN:
                 fp8_wide.append(name)
                 overrides.pop(f"{name}_bn")
-        elif wgrad_promotes.get(f"{name}_promote", "serial") == "serial":   # the default tile
+        elif wgrad_promotes.get(f"{name}_promote", "serial") in FP8_WGRAD_SPLIT_PROMOTES:   # the default tile
             fp8_wide.append(name)
         if f"{name}_stages" in overrides:
             fp8_stages[name] = overrides.pop(f"{name}_stages")
@@ -1221,10 +1230,11 @@ def fp8_wgrad_wide(spec: Spec, arch: Arch, name: str, g: GemmPlan) -> GemmPlan:
     the registers hold the 128 x 256 fp32 tile (128 per thread) and one half (64). Per K block a CTA loads (128 +
     256) x 128 operand bytes and the K block's 128 + 256 column scales for 2 x 128 x 256 x 128 flops: a quarter
     fewer operand bytes per flop than 128 x 128, against the L2 load that bounds the FP8 GEMMs on the H100
-    (bench/NOTES.md v21). Promotion serial (the two warpgroups fill each other's gaps); as many stages as fit;
-    the output path as g's (the ring where the tile takes it)."""
+    (bench/NOTES.md v21). Promotion FP8_WGRAD_SPLIT_PROMOTE (stagger: the two warpgroups one half apart, so one's
+    wgmma runs while the other promotes); as many stages as fit; the output path as g's (the ring where the tile
+    takes it)."""
     bn = 2 * FP8_BN
-    w = dataclasses.replace(g, bn=bn, mma_split=2, promote="serial", stage_scale_bytes=(g.tile_m + bn) * 4,
+    w = dataclasses.replace(g, bn=bn, mma_split=2, promote=FP8_WGRAD_SPLIT_PROMOTE, stage_scale_bytes=(g.tile_m + bn) * 4,
                             n_tiles=-(-backward_shape(spec, name)[1] // bn))
     w = dataclasses.replace(w, stages=_stages_most(arch, w))
     return _with_epi_store(w) if g.epi_store == "ring" else w

@@ -223,7 +223,7 @@ def test_fp8_h_quant_epilogue_compiles(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_wgrad_split_stagger_compiles(tmp_path):
-    """``wgrad*_bn=256, wgrad*_promote=stagger`` (opt-in): the split FP8 weight gradients with the warpgroups offset
+    """``wgrad*_bn=256, wgrad*_promote=stagger`` (the default): the split FP8 weight gradients with the warpgroups offset
     by one half compile for sm_90a with e4m3 wgmma, one ``bar.sync 5`` (warpgroup 1 waits) and one ``bar.arrive 5``
     (warpgroup 0's first half retired), and no ptxas advisory."""
     pytest.importorskip("cutlass")

@@ -245,7 +245,7 @@ def test_fp8_wgrads_compile_for_sm90a(tmp_path):
     from mokgen.spec import load_spec
 
     plan = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", wgrad1_dtype="fp8", wgrad2_dtype="fp8",
-                   wgrad1_promote="overlap", wgrad2_promote="stagger")
+                   wgrad1_promote="overlap", wgrad2_bn=128, wgrad2_promote="stagger")
     src = emit(plan)
     keep = {f"{k}.py" for k in ("wgrad1", "wgrad1_acc", "wgrad2", "wgrad2_acc", "quant_cols_used",
                                 "quant_cols_gather", "quant_both_used", "quant_both_gather")}
@@ -291,17 +291,19 @@ def test_plan_fp8_wgrad_wide():
     spec = _spec()
     base = P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8", wgrad1_bn=128, wgrad2_bn=128)
     wide = P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=256, wgrad2_dtype="fp8", wgrad2_bn=256)
-    # the default FP8 weight gradients are this form (plan.FP8_WGRAD_PROMOTE's note: measured, v23); a promotion
-    # other than serial asks for the 128 x 128 tile
+    # the default FP8 weight gradients are this form (plan.FP8_WGRAD_PROMOTE's note: measured, v23), staggered
+    # (FP8_WGRAD_SPLIT_PROMOTE, v27); overlap (the 128 x 128 tile's own promotion) or wgrad*_bn=128 asks for the
+    # 128 x 128 tile
     assert P.solve(spec).backward == wide.backward == P.solve(spec, wgrad1_dtype="fp8", wgrad2_dtype="fp8").backward
-    ov = P.solve(spec, wgrad1_promote="overlap", wgrad2_promote="stagger").backward
+    assert P.solve(spec, wgrad1_promote="stagger").backward == wide.backward
+    ov = P.solve(spec, wgrad1_promote="overlap", wgrad2_bn=128, wgrad2_promote="stagger").backward
     assert (ov.wgrad1.bn, ov.wgrad1.promote, ov.wgrad2.bn, ov.wgrad2.promote) == (128, "overlap", 128, "stagger")
     assert ov.wgrad1 == base.backward.wgrad1
     a = P.get_arch("sm_90a")
     for name in ("wgrad1", "wgrad2"):
         g, b = getattr(wide.backward, name), getattr(base.backward, name)
         n = P.backward_shape(spec, name)[1]
-        assert (g.bn, g.mma_split, g.promote, g.bk, g.elem_bytes) == (256, 2, "serial", 128, 1)
+        assert (g.bn, g.mma_split, g.promote, g.bk, g.elem_bytes) == (256, 2, "stagger", 128, 1)
         assert g.stage_scale_bytes == (128 + 256) * 4 and g.n_tiles == -(-n // 256)
         assert g.stages == P._stages_most(a, g) >= 3 and g.smem_bytes() <= a.smem_per_cta
         assert (g.epi_store, g.raster_group) == (b.epi_store, b.raster_group)
@@ -333,19 +335,21 @@ def test_plan_fp8_wgrad_wide():
 
 
 def test_plan_fp8_wgrad_split_stagger():
-    """``wgrad*_dtype=fp8, wgrad*_bn=256, wgrad*_promote=stagger`` (opt-in): the 128 x 256 tile with its warpgroups offset by one
-    half (warpgroup 1 waits on named barrier STAGGER_BAR until warpgroup 0's first half has retired, once per tile
-    with at least STAGES K blocks); everything else as the serial split tile. ``wgrad*_promote=stagger`` alone keeps
-    meaning the 128 x 128 staggered tile."""
+    """The 128 x 256 FP8 weight gradients' promotion (plan.FP8_WGRAD_SPLIT_PROMOTE): "stagger" by default (warpgroup
+    1 waits on named barrier STAGGER_BAR until warpgroup 0's first half has retired, once per tile with at least
+    STAGES K blocks), ``wgrad*_promote=serial`` the two warpgroups together; everything else equal.
+    ``wgrad*_bn=128, wgrad*_promote=stagger`` is the 128 x 128 staggered tile."""
     spec = _spec()
-    wide = P.solve(spec)
-    st = P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=256, wgrad1_promote="stagger", wgrad2_dtype="fp8", wgrad2_bn=256,
-                 wgrad2_promote="stagger")
+    st = P.solve(spec)
+    ser = P.solve(spec, wgrad1_promote="serial", wgrad2_promote="serial")
+    assert st.backward == P.solve(spec, wgrad1_dtype="fp8", wgrad1_bn=256, wgrad1_promote="stagger", wgrad2_dtype="fp8",
+                                  wgrad2_bn=256, wgrad2_promote="stagger").backward
     for name in ("wgrad1", "wgrad2"):
-        g, w = getattr(st.backward, name), getattr(wide.backward, name)
-        assert (g.bn, g.mma_split, g.promote) == (256, 2, "stagger")
+        g, w = getattr(st.backward, name), getattr(ser.backward, name)
+        assert (g.bn, g.mma_split, g.promote) == (256, 2, "stagger") and w.promote == "serial"
         assert g == dataclasses.replace(w, promote="stagger")
-    assert P.solve(spec, wgrad1_promote="stagger").backward.wgrad1.bn == 128
+    assert P.solve(spec, wgrad1_bn=128, wgrad1_promote="stagger").backward.wgrad1.bn == 128
+    wide = ser
     from mokgen import configs
     from mokgen.emit import emit
 
@@ -362,7 +366,7 @@ def test_explain_shows_the_backward_choices():
     """plan --explain has a backward section: each backward GEMM's operand type, tile, stages and output path;
     the FP8 note says which weight gradients are FP8."""
     spec = _spec()
-    text = P.explain(P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="fp8", wgrad2_promote="stagger"))
+    text = P.explain(P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="fp8", wgrad2_bn=128, wgrad2_promote="stagger"))
     back = text[text.index("backward (training"):text.index("notes:")]
     assert "wgrad2  dW2[g]" in back and "per 128 x 1 tile along the rows" in back and "(stagger)" in back
     assert back.count("BF16") == 1   # wgrad1 only (the dgrads are FP8)

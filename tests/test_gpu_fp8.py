@@ -267,14 +267,14 @@ def test_dgrad1_wide_same_bits(case):
 
 
 def test_wgrad_split_stagger_same_bits(case, ctas):
-    """The 128 x 256 FP8 weight gradients with their warpgroups staggered by one half (wgrad*_promote=stagger with
-    wgrad*_bn=256: warpgroup 1 starts a tile once warpgroup 0's first half has retired) add the same products in
-    the same order as the serial split tile: a training step has the same bits (random and skewed routing), also
-    at half the SMs' CTAs."""
+    """The 128 x 256 FP8 weight gradients with their warpgroups staggered by one half (the default,
+    plan.FP8_WGRAD_SPLIT_PROMOTE: warpgroup 1 starts a tile once warpgroup 0's first half has retired) add the same
+    products in the same order as the serial split tile (``wgrad*_promote=serial``): a training step has the same
+    bits (random and skewed routing), also at half the SMs' CTAs."""
     spec, moe, inp = case
     base = {k: v for k, v in OVERRIDES.items() if not k.startswith(("wgrad1_", "wgrad2_"))}
     wide = {f"{n}_{k}": v for n in ("wgrad1", "wgrad2") for k, v in (("dtype", "fp8"), ("bn", 256))}
-    ms = mokgen.compile(spec, overrides={**base, **wide})
+    ms = mokgen.compile(spec, overrides={**base, **wide, "wgrad1_promote": "serial", "wgrad2_promote": "serial"})
     mt = mokgen.compile(spec, overrides={**base, **wide, "wgrad1_promote": "stagger", "wgrad2_promote": "stagger"})
     for n in ("wgrad1", "wgrad2"):
         assert (getattr(ms.plan.backward, n).promote, getattr(mt.plan.backward, n).promote) == ("serial", "stagger")

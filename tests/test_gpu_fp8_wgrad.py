@@ -31,10 +31,12 @@ GROUP_ROWS = (0, 128, 384, 1152)
 
 # The kernel forms under test: "tile128" = 128 x 128 tiles, wgrad1 overlapping its promotion (chains of 4 blocks:
 # the 9-block group runs 4 + 4 + 1, the 3-block one 2 + 1), wgrad2 staggering it (serial is the default of the
-# layer suites); "wide" = 128 x 256 tiles in two wgmma halves promoted in turn (plan.fp8_wgrad_wide: the last N
-# tile of dW1-like is half, of dW2-like a quarter, inside the tile's bounds)
-VARIANTS = {"tile128": dict(wgrad1_promote="overlap", wgrad2_promote="stagger"),
-            "wide": dict(wgrad1_bn=256, wgrad2_bn=256)}
+# layer suites); "wide" = 128 x 256 tiles in two wgmma halves promoted in turn, the warpgroups one half apart (the
+# default: plan.fp8_wgrad_wide; the last N tile of dW1-like is half, of dW2-like a quarter, inside the tile's
+# bounds); "wide_serial" the same halves with the warpgroups together
+VARIANTS = {"tile128": dict(wgrad1_promote="overlap", wgrad2_bn=128, wgrad2_promote="stagger"),
+            "wide": dict(wgrad1_bn=256, wgrad2_bn=256),
+            "wide_serial": dict(wgrad1_bn=256, wgrad2_bn=256, wgrad1_promote="serial", wgrad2_promote="serial")}
 
 
 def _plan(variant: str = "tile128"):

@@ -43,11 +43,12 @@ def test_fp8_plan_constraints(name):
     assert (plan.gemm1.k_tiles, plan.gemm2.k_tiles) == (ceil(spec.hidden), ceil(spec.ffn))
     assert (plan.backward.dgrad1.k_tiles, plan.backward.dgrad2.k_tiles) == (ceil(spec.hidden), ceil(2 * spec.ffn))
     for g in (plan.backward.wgrad1, plan.backward.wgrad2):   # FP8 weight gradients by default (128 x 1 scales),
-        # 128 x 256 tiles whose halves are promoted in turn (plan.fp8_wgrad_wide)
-        assert (g.elem_bytes, g.bk, g.bn, g.mma_split, g.promote) == (1, 128, 256, 2, "serial")
-    narrow = solve(spec, wgrad1_bn=128, wgrad2_promote="stagger").backward   # the 128 x 128 forms on request
+        # 128 x 256 tiles whose halves are promoted in turn, the warpgroups staggered (plan.fp8_wgrad_wide)
+        assert (g.elem_bytes, g.bk, g.bn, g.mma_split, g.promote) == (1, 128, 256, 2, "stagger")
+    narrow = solve(spec, wgrad1_bn=128, wgrad2_bn=128, wgrad2_promote="stagger").backward   # the 128 x 128 forms
     assert (narrow.wgrad1.bn, narrow.wgrad1.mma_split, narrow.wgrad1.promote) == (128, 1, "overlap")
     assert (narrow.wgrad2.bn, narrow.wgrad2.mma_split, narrow.wgrad2.promote) == (128, 1, "stagger")
+    assert solve(spec, wgrad2_promote="overlap").backward.wgrad2.bn == 128   # overlap: the 128 x 128 tile's own
     kept = solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="bf16").backward   # the BF16 ones on request
     assert all(g.elem_bytes == 2 and g.bk == 64 for g in (kept.wgrad1, kept.wgrad2))
     assert any("fp8" in n for n in plan.notes)
