@@ -106,8 +106,8 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
                 out.append(f"{key}: FP8 tiles are {' or '.join(map(str, P.FP8_BNS))} columns wide")
             elif why := P.fp8_tile_shape_problem(spec, P.FP8_GEMM_INDEX[kernel], cfg[key]):
                 out.append(f"{key}: {cfg[key]} columns {why}")
-            elif cfg[key] != P.FP8_BN and cfg.get(f"{kernel}_promote", "serial") != "serial":
-                out.append(f"{key}: {cfg[key]} columns promote their halves in turn (serial), not "
+            elif cfg[key] != P.FP8_BN and cfg.get(f"{kernel}_promote", "serial") not in P.FP8_SPLIT_PROMOTES:
+                out.append(f"{key}: {cfg[key]} columns promote their halves in turn (serial, or stagger), not "
                            f"{cfg[f'{kernel}_promote']}")
             elif cfg[key] != P.FP8_BN and kernel.startswith("gemm") and cfg.get(f"{kernel}_cluster",
                                                                                 cfg.get("cluster", 1)) != 1:
@@ -240,10 +240,12 @@ def check_plan(plan: Any) -> list[str]:
     fp8_gemms = [("gemm1", plan.gemm1), ("gemm2", plan.gemm2)] + (
         [("backward.dgrad1", plan.backward.dgrad1), ("backward.dgrad2", plan.backward.dgrad2)] if plan.backward else [])
     for name, g in fp8_gemms:
-        if g.mma_split != 1 and (g.mma_split != 2 or g.elem_bytes != 1 or g.promote != "serial" or g.bn % 2
-                                 or (name in ("gemm1", "backward.dgrad1") and g.bn != 2 * P.FP8_BN)):
+        if g.mma_split != 1 and (g.mma_split != 2 or g.elem_bytes != 1 or g.promote not in P.FP8_SPLIT_PROMOTES
+                                 or g.bn % 2 or (name in ("gemm1", "backward.dgrad1") and g.bn != 2 * P.FP8_BN)):
             out.append(f"{name}.mma_split {g.mma_split}: 2 only for FP8 gemm1 (its two 128-column parts) / gemm2 / "
-                       f"dgrad1 / dgrad2 tiles with serial promotion")
+                       f"dgrad1 / dgrad2 tiles with serial or staggered promotion")
+        if g.mma_split == 2 and g.promote == "stagger" and (why := P.stagger_problem(g)) is not None:
+            out.append(f"{name}.promote stagger: {why}")
         if (why := P.stage_scales_problem(g)) is not None:
             out.append(f"{name}.stage_scale_bytes {g.stage_scale_bytes}: {why}")
         if g.h_quant not in sp_.values("h_quant", "gemm1") or (g.h_quant != "kernel" and name != "gemm1"):

@@ -216,10 +216,10 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
         raise EmitError(f"{what}: the FP8 form runs cooperative consumers and TMA-loaded A "
                         f"(got {g.consumer}, a_load {g.a_load})")
     # mma_split 2: two 128-column wgmma halves of one part's tile, or GEMM 1's two parts of 128 columns each
-    if g.mma_split not in (1, 2) or (g.mma_split == 2 and (g.promote != "serial" or bn % 2
+    if g.mma_split not in (1, 2) or (g.mma_split == 2 and (g.promote not in ("serial", "stagger") or bn % 2
                                                             or (parts == 2 and bn != 128) or parts > 2)):
         raise EmitError(f"{what}.mma_split: {g.mma_split} (2: one part's two halves or two parts of 128 columns, "
-                        f"serial promotion; got parts {parts}, promote {g.promote}, bn {bn})")
+                        f"serial or staggered promotion; got parts {parts}, promote {g.promote}, bn {bn})")
     sb_n, sb_p = n_stride // k_dim, p_stride // k_dim
     half = bn if parts == 2 else bn // g.mma_split   # the output columns of one wgmma issue
     span = half * sb_n   # the W rows one wgmma issue covers: within one scale block

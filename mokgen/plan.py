@@ -968,11 +968,13 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             if overrides[key] not in promotes:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(promotes)}, got {overrides[key]!r}")
             mode = overrides[key]
-            if mode != "serial" and gemms[name].mma_split > 1:
+            if mode not in FP8_SPLIT_PROMOTES and gemms[name].mma_split > 1:
                 if key != "promote":
                     raise PlanError(f"plan.{key}: {mode} needs 128-column FP8 tiles (the {gemms[name].bn}-column "
-                                    f"tile promotes its halves in turn: serial)")
+                                    f"tile promotes its halves in turn: serial, or stagger)")
                 continue
+            if mode == "stagger" and gemms[name].mma_split > 1 and key == "promote":
+                continue   # the shared key's stagger is the 128-column tiles' (the 256-column one asks per GEMM)
             if mode == "stagger" and (why := stagger_problem(gemms[name])) is not None:
                 if key != "promote":   # the shared key asks for it where it applies
                     raise PlanError(f"plan.{key}: stagger {why}")
@@ -1029,6 +1031,12 @@ def _scale_load_override(a: Arch, g: GemmPlan, key: str, mode: Any) -> GemmPlan:
     if (why := stage_scales_problem(g)) is not None:
         raise PlanError(f"plan.{key}: {why}, got a_load {g.a_load}")
     return _fp8_fill_stages(a, g)
+
+
+# the promotions of a 256-column FP8 tile (two wgmma halves promoted in turn): the two warpgroups together
+# ("serial", the default) or one half apart ("stagger", opt-in: ``gemm2_bn=256,gemm2_promote=stagger``; the wide
+# weight gradients' default, FP8_WGRAD_SPLIT_PROMOTE)
+FP8_SPLIT_PROMOTES = ("serial", "stagger")
 
 
 def stagger_problem(g: GemmPlan) -> str | None:

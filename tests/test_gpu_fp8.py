@@ -30,6 +30,7 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
 
 import mokgen  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen import plan as P  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fp8]
@@ -289,6 +290,30 @@ def test_wgrad_split_stagger_same_bits(case, ctas):
         assert torch.equal(bits(getattr(g[0], n)), bits(getattr(g[1], n))), f"d{n}: {ctas.half} CTAs staggered"
     ms.check_errors()
     mt.check_errors()
+
+
+def test_wide_stagger_same_bits(case):
+    """The 256-column FP8 GEMMs with their warpgroups one half apart (``gemm*_bn=256, gemm*_promote=stagger``, and
+    dgrad2's; opt-in) add the same products in the same order as the serial halves: the inference forward and a
+    training step have the same bits (random and skewed routing)."""
+    spec, moe, inp = case
+    base = {k: v for k, v in OVERRIDES.items() if not k.startswith(("gemm1_", "gemm2_", "dgrad2_", "promote"))}
+    ser = mokgen.compile(spec, overrides=base)
+    ov = {}
+    for name in ("gemm1", "gemm2", "dgrad2"):
+        g = getattr(ser.plan, name, None) or getattr(ser.plan.backward, name)
+        if g.mma_split == 2 and P.stagger_problem(g) is None:
+            ov.update({f"{name}_bn": 256, f"{name}_promote": "stagger"})
+    if not ov:
+        pytest.skip("no 256-column FP8 GEMM with enough K blocks to stagger")
+    st = mokgen.compile(spec, overrides={**base, **ov})
+    y1, y2 = run(ser, inp), run(st, inp)
+    torch.cuda.synchronize()
+    check(spec, inp, y2, "wide stagger")
+    assert torch.equal(bits(y1), bits(y2)), f"inference forward bits differ with {ov}"
+    _assert_same_step_bits(spec, ser, st, inp, 9, f"stagger {sorted(ov)}")
+    ser.check_errors()
+    st.check_errors()
 
 
 def test_h_quant_epilogue_same_bits(case):

@@ -169,12 +169,14 @@ def test_fp8_tune_space(name):
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
     modes = ("serial", "stagger", "overlap")
-    # 256-column tiles promote their halves in turn (serial) and take no cluster; GEMM 1's need ffn % 128 == 0
+    # 256-column tiles promote their halves in turn (serial, or staggered where the tile has as many K blocks as
+    # stages) and take no cluster; GEMM 1's need ffn % 128 == 0
+    ok = {w: P.stagger_problem(getattr(solve(spec), w)) is None for w in ("gemm1", "gemm2")}
     assert sorted(map(str, fwd)) == sorted(map(str, [
         {"gemm1_promote": p1, "gemm2_promote": p2, "gemm1_bn": b1, "gemm2_bn": bn, "cluster": c}
         for p1 in modes for p2 in modes for b1 in (128, 256) for bn in (128, 256) for c in (1, 2)
-        if (bn == 128 or (p2 == "serial" and c == 1))
-        and (b1 == 128 or (p1 == "serial" and c == 1 and spec.ffn % 128 == 0))]))
+        if (bn == 128 or (c == 1 and (p2 == "serial" or (p2 == "stagger" and ok["gemm2"]))))
+        and (b1 == 128 or (c == 1 and spec.ffn % 128 == 0 and (p1 == "serial" or (p1 == "stagger" and ok["gemm1"]))))]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
@@ -227,14 +229,20 @@ def test_fp8_wide_tiles_refused():
                     ({"gemm2_bn": 256, "cluster": 2}, r"^plan\.gemm2_bn: 256 columns needs cluster 1, got 2$"),
                     ({"gemm2_bn": 256, "gemm2_promote": "overlap"},
                      r"^plan\.gemm2_promote: overlap needs 128-column FP8 tiles"),
-                    ({"dgrad2_bn": 256, "dgrad2_promote": "stagger"},
-                     r"^plan\.dgrad2_promote: stagger needs 128-column FP8 tiles")):
+                    ({"dgrad2_bn": 256, "dgrad2_promote": "overlap"},
+                     r"^plan\.dgrad2_promote: overlap needs 128-column FP8 tiles \(the 256-column tile promotes its "
+                     r"halves in turn: serial, or stagger\)$")):
         with pytest.raises(PlanError, match=msg):
             solve(spec, **kw)
+    # the 256-column tiles' halves with the warpgroups one half apart (opt-in, per GEMM): mma_split 2, stagger
+    st = solve(spec, dgrad2_bn=256, dgrad2_promote="stagger", gemm2_bn=256, gemm2_promote="stagger")
+    assert (st.backward.dgrad2.mma_split, st.backward.dgrad2.promote) == (2, "stagger")
+    assert (st.gemm2.mma_split, st.gemm2.promote) == (2, "stagger") and not configs.check_plan(st)
+    assert st.gemm2 == dataclasses.replace(solve(spec).gemm2, promote="stagger")
     assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 192}) == ["gemm2_bn: FP8 tiles are 128 or 256 "
                                                                         "columns wide"]
     assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "gemm2_promote": "overlap"}) == [
-        "gemm2_bn: 256 columns promote their halves in turn (serial), not overlap"]
+        "gemm2_bn: 256 columns promote their halves in turn (serial, or stagger), not overlap"]
     assert configs.check_config(spec, "sm_90a", {"gemm2_bn": 256, "cluster": 2}) == [
         "gemm2_bn: 256 columns need cluster 1, got 2"]
     narrow = solve(spec, gemm1_bn=128)
