@@ -136,7 +136,7 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         if n in fp8_w and cfg.get(f"{n}_bn", P.FP8_BN) not in P.FP8_BNS:
             out.append(f"{n}_bn: FP8 weight gradients run 128 x 128 or 128 x 256 tiles")
         elif (n in fp8_w and cfg.get(f"{n}_bn") == 2 * P.FP8_BN
-              and cfg.get(f"{n}_promote", "serial") not in P.FP8_WGRAD_SPLIT_PROMOTES):
+              and cfg.get(f"{n}_promote", "serial") not in P.FP8_SPLIT_PROMOTES):
             out.append(f"{n}_promote: the 128 x 256 FP8 weight gradient promotes its halves in turn (serial, or "
                        f"stagger)")
     wgrad = {k: v for k, v in cfg.items() if k.startswith("wgrad") and S.backward_kernel(k) not in fp8_w

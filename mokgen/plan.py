@@ -733,8 +733,7 @@ WGRAD_PROMOTE_KEYS = ("wgrad1_promote", "wgrad2_promote")
 # (the unchanged kernel, against the run-order drift): wgrad1 1.248 / 1.314 vs 1.322 (kimi-k2-fp8), 1.318 vs
 # 1.401 (glm-5-fp8); wgrad2 0.641 / 0.673 vs 0.691, 0.663 vs 0.674; bench_backward 5 rounds interleaved,
 # forward+backward kimi-k2-fp8 5.828 vs 5.985 ms (lower in 5 of 5 rounds), glm-5-fp8 5.074 vs 5.126,
-# qwen3.5-397b-a17b-fp8 2.549 vs 2.603 (mixed rounds: within noise).
-FP8_WGRAD_SPLIT_PROMOTES = ("serial", "stagger")
+# qwen3.5-397b-a17b-fp8 2.549 vs 2.603 (mixed rounds: within noise). One of FP8_SPLIT_PROMOTES.
 FP8_WGRAD_SPLIT_PROMOTE = "stagger"
 
 
@@ -749,12 +748,12 @@ FP8_WGRAD_DEFAULT = "fp8"
 # alone). ``wgrad*_promote`` overrides it.
 FP8_WGRAD_PROMOTE = "overlap"
 # ... and their tile: 128 x 256 (fp8_wgrad_wide: its two column halves promoted in turn, FP8_WGRAD_SPLIT_PROMOTE)
-# wherever no ``wgrad*_bn`` and no promotion of the 128 x 128 tile alone (overlap) is asked for. Measured on the H100, same process, 3 rounds (bench/NOTES.md
-# v23), forward+backward against the 128 x 128 overlapped form: kimi-k2-fp8 6.441 vs 6.463 ms, glm-5-fp8 5.347 vs
-# 5.502, deepseek-v4-pro-fp8 7.000 vs 7.183, qwen3.5-397b-a17b-fp8 2.513 vs 2.539, gpt-oss-120b-fp8 8.367 vs
-# 8.398, qwen3-30b-a3b-fp8 2.243 vs 2.244: never slower, 0-2.9% faster (both serial then). The 128 x 128 forms
-# stay reachable (``wgrad*_bn=128``, with any promotion; ``wgrad*_promote=overlap`` alone) and tune --train
-# searches them.
+# wherever no ``wgrad*_bn`` and no promotion of the 128 x 128 tile alone (overlap) is asked for. Measured on the
+# H100, same process, 3 rounds (bench/NOTES.md v23), forward+backward against the 128 x 128 overlapped form:
+# kimi-k2-fp8 6.441 vs 6.463 ms, glm-5-fp8 5.347 vs 5.502, deepseek-v4-pro-fp8 7.000 vs 7.183,
+# qwen3.5-397b-a17b-fp8 2.513 vs 2.539, gpt-oss-120b-fp8 8.367 vs 8.398, qwen3-30b-a3b-fp8 2.243 vs 2.244: never
+# slower, 0-2.9% faster (both serial then). The 128 x 128 forms stay reachable (``wgrad*_bn=128``, with any
+# promotion; ``wgrad*_promote=overlap`` alone) and tune --train searches them.
 
 
 def wgrad_default_applies(spec: Spec, name: str, overrides: Mapping[str, Any]) -> bool:
@@ -785,7 +784,7 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
             if bn == 2 * FP8_BN:
                 fp8_wide.append(name)
                 overrides.pop(f"{name}_bn")
-        elif wgrad_promotes.get(f"{name}_promote", "serial") in FP8_WGRAD_SPLIT_PROMOTES:   # the default tile
+        elif wgrad_promotes.get(f"{name}_promote", "serial") in FP8_SPLIT_PROMOTES:   # the default tile
             fp8_wide.append(name)
         if f"{name}_stages" in overrides:
             fp8_stages[name] = overrides.pop(f"{name}_stages")
@@ -813,7 +812,7 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
         g = plan.backward and getattr(plan.backward, name)
         if g is None or g.elem_bytes != 1:
             raise PlanError(f"plan.{key}: the promotion applies to FP8 weight gradients ({name}_dtype=fp8)")
-        if g.mma_split == 2 and value not in FP8_WGRAD_SPLIT_PROMOTES:
+        if g.mma_split == 2 and value not in FP8_SPLIT_PROMOTES:
             raise PlanError(f"plan.{key}: the 128 x 256 FP8 {name} promotes its two halves in turn (serial, or "
                             f"stagger: the warpgroups offset by one half), got {value!r}")
         plan = dataclasses.replace(plan, backward=dataclasses.replace(
@@ -1033,9 +1032,9 @@ def _scale_load_override(a: Arch, g: GemmPlan, key: str, mode: Any) -> GemmPlan:
     return _fp8_fill_stages(a, g)
 
 
-# the promotions of a 256-column FP8 tile (two wgmma halves promoted in turn): the two warpgroups together
-# ("serial", the default) or one half apart ("stagger", opt-in: ``gemm2_bn=256,gemm2_promote=stagger``; the wide
-# weight gradients' default, FP8_WGRAD_SPLIT_PROMOTE)
+# the promotions of a 256-column FP8 tile (two wgmma halves promoted in turn, forward, dgrad or weight gradient):
+# the two warpgroups together ("serial", the forward / dgrad default) or one half apart ("stagger": opt-in there,
+# ``gemm2_bn=256,gemm2_promote=stagger``; the weight gradients' default, FP8_WGRAD_SPLIT_PROMOTE)
 FP8_SPLIT_PROMOTES = ("serial", "stagger")
 
 
@@ -1242,8 +1241,8 @@ def fp8_wgrad_wide(spec: Spec, arch: Arch, name: str, g: GemmPlan) -> GemmPlan:
     wgmma runs while the other promotes); as many stages as fit; the output path as g's (the ring where the tile
     takes it)."""
     bn = 2 * FP8_BN
-    w = dataclasses.replace(g, bn=bn, mma_split=2, promote=FP8_WGRAD_SPLIT_PROMOTE, stage_scale_bytes=(g.tile_m + bn) * 4,
-                            n_tiles=-(-backward_shape(spec, name)[1] // bn))
+    w = dataclasses.replace(g, bn=bn, mma_split=2, promote=FP8_WGRAD_SPLIT_PROMOTE,
+                            stage_scale_bytes=(g.tile_m + bn) * 4, n_tiles=-(-backward_shape(spec, name)[1] // bn))
     w = dataclasses.replace(w, stages=_stages_most(arch, w))
     return _with_epi_store(w) if g.epi_store == "ring" else w
 

@@ -223,13 +223,14 @@ def test_fp8_h_quant_epilogue_compiles(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_wgrad_split_stagger_compiles(tmp_path):
-    """``wgrad*_bn=256, wgrad*_promote=stagger`` (the default): the split FP8 weight gradients with the warpgroups offset
-    by one half compile for sm_90a with e4m3 wgmma, one ``bar.sync 5`` (warpgroup 1 waits) and one ``bar.arrive 5``
-    (warpgroup 0's first half retired), and no ptxas advisory."""
+    """``wgrad*_bn=256, wgrad*_promote=stagger`` (the default): the split FP8 weight gradients with the warpgroups
+    offset by one half compile for sm_90a with e4m3 wgmma, one ``bar.sync 5`` (warpgroup 1 waits) and one
+    ``bar.arrive 5`` (warpgroup 0's first half retired), and no ptxas advisory."""
     pytest.importorskip("cutlass")
     from mokgen import build
 
-    ov = {f"{n}_{k}": v for n in ("wgrad1", "wgrad2") for k, v in (("dtype", "fp8"), ("bn", 256), ("promote", "stagger"))}
+    ov = {f"{n}_{k}": v for n in ("wgrad1", "wgrad2")
+          for k, v in (("dtype", "fp8"), ("bn", 256), ("promote", "stagger"))}
     src = emit(solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", **ov))
     keep = {"wgrad1.py", "wgrad2_acc.py"}
     art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
@@ -237,7 +238,8 @@ def test_fp8_wgrad_split_stagger_compiles(tmp_path):
     for k in ("wgrad1", "wgrad2_acc"):
         ptx = (Path(art.dir) / f"{k}.ptx").read_text()
         assert ".f32.e4m3.e4m3" in ptx, k
-        assert len(re.findall(r"bar\.sync\s+5, 256", ptx)) == 1 and len(re.findall(r"bar\.arrive\s+5, 256", ptx)) == 1, k
+        assert len(re.findall(r"bar\.sync\s+5, 256", ptx)) == 1, k
+        assert len(re.findall(r"bar\.arrive\s+5, 256", ptx)) == 1, k
     adv = build.ptxas_report(art)
     if adv is not None:
         assert not any(adv.values()), adv
