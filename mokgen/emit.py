@@ -18,8 +18,8 @@ from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation,
                         _w1_strides, template_hash)
 from . import kernels
 from .sm100 import emit as _sm100_emit
-from .plan import (L2_HINTS, Plan, epi_ring_problem, h_quant_problem, stage_scales_problem, z_ring_problem,
-                   z_stage_problem)
+from .plan import (FP8_SPLIT_PROMOTES, L2_HINTS, Plan, epi_ring_problem, h_quant_problem, stage_scales_problem,
+                   z_ring_problem, z_stage_problem)
 
 __all__ = ["EXPERIMENTS", "EmitError", "Sources", "TEMPLATE_DIR", "emit", "emit_fp8_quant", "template_hash"]
 
@@ -216,7 +216,7 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
         raise EmitError(f"{what}: the FP8 form runs cooperative consumers and TMA-loaded A "
                         f"(got {g.consumer}, a_load {g.a_load})")
     # mma_split 2: two 128-column wgmma halves of one part's tile, or GEMM 1's two parts of 128 columns each
-    if g.mma_split not in (1, 2) or (g.mma_split == 2 and (g.promote not in ("serial", "stagger") or bn % 2
+    if g.mma_split not in (1, 2) or (g.mma_split == 2 and (g.promote not in FP8_SPLIT_PROMOTES or bn % 2
                                                             or (parts == 2 and bn != 128) or parts > 2)):
         raise EmitError(f"{what}.mma_split: {g.mma_split} (2: one part's two halves or two parts of 128 columns, "
                         f"serial or staggered promotion; got parts {parts}, promote {g.promote}, bn {bn})")
@@ -393,7 +393,7 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
             raise EmitError(f"{what}: FP8 wgrad tiles are 128 x 128 (or 128 x 256 in two wgmma halves, mma_split 2) "
                             f"with 128-row K steps that divide the routing tile (got bn {g.bn}, mma_split "
                             f"{g.mma_split}, bk {g.bk}, routing tile {plan.bm})")
-        if g.mma_split == 2 and g.promote not in ("serial", "stagger"):
+        if g.mma_split == 2 and g.promote not in FP8_SPLIT_PROMOTES:
             raise EmitError(f"{what}.promote: the 128 x 256 FP8 wgrad promotes its halves in turn (serial, or "
                             f"stagger), got {g.promote!r}")
     if not accumulate:

@@ -967,13 +967,11 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             if overrides[key] not in promotes:
                 raise PlanError(f"plan.{key}: must be one of {', '.join(promotes)}, got {overrides[key]!r}")
             mode = overrides[key]
-            if mode not in FP8_SPLIT_PROMOTES and gemms[name].mma_split > 1:
+            if gemms[name].mma_split > 1 and (key == "promote" or mode not in FP8_SPLIT_PROMOTES):
                 if key != "promote":
                     raise PlanError(f"plan.{key}: {mode} needs 128-column FP8 tiles (the {gemms[name].bn}-column "
                                     f"tile promotes its halves in turn: serial, or stagger)")
-                continue
-            if mode == "stagger" and gemms[name].mma_split > 1 and key == "promote":
-                continue   # the shared key's stagger is the 128-column tiles' (the 256-column one asks per GEMM)
+                continue   # the shared key's modes are the 128-column tiles' (a 256-column one asks per GEMM)
             if mode == "stagger" and (why := stagger_problem(gemms[name])) is not None:
                 if key != "promote":   # the shared key asks for it where it applies
                     raise PlanError(f"plan.{key}: stagger {why}")
