@@ -111,9 +111,12 @@ SM90 = ArchSpace(
              doc="the backward's launch streams: 2 runs the weight gradients (and the x-row gather) on a second "
                  "stream beside dgrad2 and the combine, filling each kernel's last wave (one more [rows, hidden] "
                  "bf16 buffer); same kernels, same bits"),
-        Knob("z_load", ("dgrad1",), ("tma", "direct"), search=("tma", "direct"),
-             doc="dgrad1's z: through the stage ring by TMA (dz stored from there) or global loads by the consumer "
-                 "threads; derived: tma where a W stage holds a whole z stage (cooperative 128-row tiles)"),
+        Knob("z_load", ("dgrad1",), ("tma", "direct", "pipe"), search=("tma", "direct"),
+             doc="dgrad1's z: through the stage ring by TMA (dz stored from there), or global loads by the consumer "
+                 "threads in chunks of z_chunk pairs (direct: a chunk's loads, then its math and stores; pipe: the "
+                 "next chunk's loads issued before a chunk's math, two register sets: same bits, no gain measured "
+                 "on qwen3-30b-a3b / gpt-oss-120b, bench/NOTES.md v28, so not searched); derived: tma where a W "
+                 "stage holds a whole z stage (cooperative 128-row tiles), else direct"),
         Knob("z_store", ("gemm1",), ("ring", "direct"), search=("ring", "direct"),
              doc="GEMM 1 of a training step: z through the stage ring beside the output (TMA-stored by the storer "
                  "warp; needs epi_store ring) or 4-byte global stores by the consumer threads"),

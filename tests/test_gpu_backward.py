@@ -281,28 +281,28 @@ def test_bitwise_deterministic(case, ctas):
 
 
 def test_dgrad1_z_paths_same_bits(case):
-    """dgrad1's two z paths, through the stage ring by TMA (z_load "tma": dz written over z in shared memory and
-    TMA-stored) and global loads by the consumer threads ("direct"), do the same math in the same order: every
-    output and gradient has the same bits, on random and on skewed routing (the ring's z stages interleave with
-    the K stages of tiles of every group size)."""
+    """dgrad1's z paths, through the stage ring by TMA (z_load "tma": dz written over z in shared memory and
+    TMA-stored), global loads by the consumer threads a chunk at a time ("direct") and the same loads with the
+    next chunk's issued before a chunk's math ("pipe"), do the same math in the same order: every output and
+    gradient has the same bits, on random and on skewed routing (the ring's z stages interleave with the K stages
+    of tiles of every group size). Each path the tile allows is compared with the plan's own."""
     from mokgen.plan import z_stage_problem
 
     spec, moe, inp, dy, _, _ = case
     d1 = moe.plan.backward.dgrad1
-    other = "direct" if d1.z_load == "tma" else "tma"
-    if other == "tma" and (why := z_stage_problem(d1)) is not None:
-        pytest.skip(f"{spec.name}: dgrad1 has only the direct z path ({why})")
-    moe2 = mokgen.compile(spec, overrides={**OVERRIDES, "dgrad1_z_load": other})
-    assert moe2.plan.backward.dgrad1.z_load == other
-    for c in (inp, with_routing(spec, inp, "skewed", seed=3)):
-        y1, g1 = train_call(moe, c, dy)
-        y2, g2 = train_call(moe2, c, dy)
-        sync()
-        assert same_bits(y1, y2), f"{spec.name}: y bits differ between the z paths"
-        for name in NAMES:
-            assert same_bits(getattr(g1, name), getattr(g2, name)), \
-                f"{spec.name}: d{name} bits differ between dgrad1 z_load {d1.z_load} and {other}"
-    moe2.check_errors()
+    others = [z for z in ("tma", "direct", "pipe") if z != d1.z_load and not (z == "tma" and z_stage_problem(d1))]
+    for other in others:
+        moe2 = mokgen.compile(spec, overrides={**OVERRIDES, "dgrad1_z_load": other})
+        assert moe2.plan.backward.dgrad1.z_load == other
+        for c in (inp, with_routing(spec, inp, "skewed", seed=3)):
+            y1, g1 = train_call(moe, c, dy)
+            y2, g2 = train_call(moe2, c, dy)
+            sync()
+            assert same_bits(y1, y2), f"{spec.name}: y bits differ between the z paths"
+            for name in NAMES:
+                assert same_bits(getattr(g1, name), getattr(g2, name)), \
+                    f"{spec.name}: d{name} bits differ between dgrad1 z_load {d1.z_load} and {other}"
+        moe2.check_errors()
 
 
 def test_gemm1_z_store_paths_same_bits(case):

@@ -267,6 +267,20 @@ def test_dgrad1_wide_same_bits(case):
     m256.check_errors()
 
 
+def test_dgrad1_z_paths_same_bits(case):
+    """The FP8 dgrad1's z paths (z_load: tma through the stage ring, direct chunked loads, pipe = the next chunk's
+    loads before a chunk's math) do the same dSwiGLU math in the same order: a training step's outputs and every
+    gradient have the same bits under each path the tile allows (random and skewed routing)."""
+    spec, moe, inp = case
+    d1 = moe.plan.backward.dgrad1
+    others = [z for z in ("tma", "direct", "pipe") if z != d1.z_load and not (z == "tma" and P.z_stage_problem(d1))]
+    for z in others:
+        other = mokgen.compile(spec, overrides={**OVERRIDES, "dgrad1_z_load": z})
+        assert other.plan.backward.dgrad1.z_load == z
+        _assert_same_step_bits(spec, moe, other, inp, 6, f"dgrad1_z_load={z}")
+        other.check_errors()
+
+
 def test_wgrad_split_stagger_same_bits(case, ctas):
     """The 128 x 256 FP8 weight gradients with their warpgroups staggered by one half (the default,
     plan.FP8_WGRAD_SPLIT_PROMOTE: warpgroup 1 starts a tile once warpgroup 0's first half has retired) add the same
