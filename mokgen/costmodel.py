@@ -153,7 +153,8 @@ class Record:
 ERAS: dict[str, dict[str, bool]] = {
     **{c: {"flat_raster": True, "gather_always": True} for c in ("765034f", "72230c9", "4c27f32")},
     **{c: {"flat_raster": True} for c in ("855560f", "13ae3e6", "dcd38f2", "50a582d", "abbfe93", "9a85b02")},
-    "8cd2e0f": {},
+    # before SMALL_GROUPS_GEMM1_RASTER (v28) GEMM 1 of small-group specs rastered by the L2 fit
+    "8cd2e0f": {"small_groups_flat": True},
 }
 
 
@@ -177,6 +178,10 @@ def _era_plan(spec: Spec, arch: str, ov: dict[str, Any], era: Mapping[str, bool]
         a = P.get_arch(arch)
         for which, g in ((1, p.gemm1), (2, p.gemm2)):
             ov[f"gemm{which}_raster_group"] = P._raster_group(a, P._gemm_shape(spec, which)[1], g.bn)
+        p = P.solve(spec, arch, **ov)
+    elif (era.get("small_groups_flat") and not any("raster" in k for k in ov) and p.schedule == "chain"
+          and P._small_groups_panel(spec, P.get_arch(arch), 1)):
+        ov["gemm1_raster_group"] = P._raster_group(P.get_arch(arch), P._gemm_shape(spec, 1)[1], p.gemm1.bn)
         p = P.solve(spec, arch, **ov)
     return p
 

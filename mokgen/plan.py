@@ -47,6 +47,14 @@ RASTER_MAX = 8
 # reads 23-42% less from DRAM with panels of 32 M tiles than of 8; GEMM 2, whose h rows belong to one panel,
 # 12-30% less at 16 and more again at 32 once the panel's h rows stop fitting beside the streamed W tiles.
 TALL_RASTER = {1: 32, 2: 16}
+# GEMM 1 of specs with small routed groups (_small_groups) that still span two or more 128-row tiles
+# (SMALL_GROUPS_PANEL_MIN_ROWS; e.g. qwen3-30b-a3b, 128 experts x ~256 rows) takes panels of 16 M tiles, though
+# no one group's W overflows L2. Measured on the H100 (bench/NOTES.md v28): qwen3-30b-a3b's training GEMM 1 read
+# 1.68 GB from DRAM with panels of 8 M tiles, 1.36 with 16, 1.27 with 32 (ncu; 0.673 / 0.584 / 0.544 ms), and
+# forward+backward ran 2.943 / 2.899 / 2.935 ms (BF16) and 2.456 / 2.293 / 2.382 (FP8) in one process;
+# gpt-oss-120b (128-row groups: one tile each) was fastest at 8 (11.33 / 11.40 / 11.72 ms), so it keeps the fit.
+SMALL_GROUPS_GEMM1_RASTER = 16
+SMALL_GROUPS_PANEL_MIN_ROWS = 256
 # Epilogue staging choices (plan.gemm*.epi_n / epi_stages; overrides epi_n, epi_stages): 32-column slices in
 # 2 buffers; 64 columns or 4 buffers measured within 1% on the H200 (bench/NOTES.md v2).
 EPI_NS = _SPACE.values("epi_n")
@@ -308,13 +316,30 @@ def _tall_raster(spec: Spec, arch: Arch, which: int) -> bool:
     return not _small_groups(spec) and _group_w_bytes(spec, which) > arch.l2_bytes // 4
 
 
+def _small_groups_panel(spec: Spec, arch: Arch, which: int) -> bool:
+    """Does GEMM `which` take SMALL_GROUPS_GEMM1_RASTER panels? (GEMM 1 on sm_90a, where it was measured, of a
+    spec whose routed groups are small but average at least SMALL_GROUPS_PANEL_MIN_ROWS rows)"""
+    return (which == 1 and arch.name == "sm_90a" and _small_groups(spec)
+            and spec.routed_rows >= SMALL_GROUPS_PANEL_MIN_ROWS * spec.local_experts)
+
+
+def _panel_rule(spec: Spec, arch: Arch, which: int, k: int, bn: int) -> int:
+    """GEMM `which`'s raster panel (M tiles): tall where one group's W overflows L2/4 (TALL_RASTER) or GEMM 1's
+    groups are small (SMALL_GROUPS_GEMM1_RASTER), else the L2 fit (_raster_group)."""
+    if _tall_raster(spec, arch, which):
+        return TALL_RASTER[which]
+    if _small_groups_panel(spec, arch, which):
+        return SMALL_GROUPS_GEMM1_RASTER
+    return _raster_group(arch, k, bn)
+
+
 def _gemm_plan(spec: Spec, arch: Arch, which: int, bn: int) -> GemmPlan:
     n, k = _gemm_shape(spec, which)
     return GemmPlan(
         bm=BM, bn=bn, bk=BK,
         stages=min(MAX_STAGES, _stages_fit(arch, bn)),
         consumer_wgs=CONSUMER_WGS, epi_m=EPI_M, epi_n=EPI_N,
-        raster_group=TALL_RASTER[which] if _tall_raster(spec, arch, which) else _raster_group(arch, k, bn),
+        raster_group=_panel_rule(spec, arch, which, k, bn),
         a_load=_gemm1_a_load(spec) if which == 1 else "tma",
         n_tiles=-(-n // bn), k_tiles=k // BK,
     )
@@ -1498,6 +1523,9 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         (f"  raster: one group's W = {_group_w_bytes(spec, which) / 2**20:.1f} MiB > L2/4 and routed groups of "
          f">= {GATHER_MIN_GROUP_ROWS} rows span several panels -> tall panels: raster_group = {g.raster_group}"
          if _tall_raster(spec, arch, which) else
+         f"  raster: routed groups of {SMALL_GROUPS_PANEL_MIN_ROWS} to {GATHER_MIN_GROUP_ROWS} rows -> GEMM 1's "
+         f"taller panels (fewer DRAM re-reads of W1, measured): raster_group = {g.raster_group}"
+         if _small_groups_panel(spec, arch, which) else
          f"  raster: {_rules().PANEL_BYTES} <= L2/2  =>  r <= {_rules().RASTER_FIT} = {float(r_fit):.2f} "
          f"-> raster_group = {g.raster_group}"),
         f"  tiles = {_m_tiles(spec, g.bm) * (g.bm // g.tile_m)} M x {g.n_tiles} N = {c.tiles}; waves = {c.tiles} / {arch.sms} = {waves:.2f} "

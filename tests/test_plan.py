@@ -5,8 +5,8 @@ import math
 import pytest
 
 from mokgen.plan import (
-    ARCHS, BN_CHOICES, GATHER_MIN_GROUP_ROWS, GemmPlan, MAINLOOP_EFF, Plan, PlanError, cap_rows, candidates, explain,
-    get_arch, solve,
+    ARCHS, BN_CHOICES, GATHER_MIN_GROUP_ROWS, MAINLOOP_EFF, SMALL_GROUPS_GEMM1_RASTER, GemmPlan, Plan, PlanError,
+    cap_rows, candidates, explain, get_arch, solve,
 )
 from mokgen.spec import KNOWN_ARCHS, list_presets, load_spec
 
@@ -43,11 +43,15 @@ def test_constraints(name, arch):
         assert 3 <= g.stages <= 7
         assert _smem(g) <= a.smem_per_cta
         assert g.stages == 7 or _smem(GemmPlan(**{**g.to_dict(), "stages": g.stages + 1})) > a.smem_per_cta
-    # tall panels (fewer DRAM re-reads of W) exactly where one group's W overflows L2/4 and groups are large
+    # tall panels (fewer DRAM re-reads of W) exactly where one group's W overflows L2/4 and groups are large, and
+    # for sm_90a's GEMM 1 where groups are small but span two 128-row tiles
+    rows = spec.routed_rows / spec.local_experts
     for which, g in ((1, g1), (2, g2)):
         n, k = (2 * spec.ffn, spec.hidden) if which == 1 else (spec.hidden, spec.ffn)
-        tall = spec.routed_rows / spec.local_experts >= GATHER_MIN_GROUP_ROWS and 2 * n * k > a.l2_bytes // 4
-        assert g.raster_group == ({1: 32, 2: 16}[which] if tall else min(8, g.raster_group)) and g.raster_group >= 1
+        tall = rows >= GATHER_MIN_GROUP_ROWS and 2 * n * k > a.l2_bytes // 4
+        small = which == 1 and arch == "sm_90a" and 256 <= rows < GATHER_MIN_GROUP_ROWS
+        want = {1: 32, 2: 16}[which] if tall else (SMALL_GROUPS_GEMM1_RASTER if small else min(8, g.raster_group))
+        assert g.raster_group == want and g.raster_group >= 1
     # GEMM 1 gathers in its producer unless the routed groups are small (gpt-oss-120b 128, qwen3-30b-a3b 256 rows)
     small = spec.routed_rows / spec.local_experts < GATHER_MIN_GROUP_ROWS
     assert small == (name in ("gpt-oss-120b", "qwen3-30b-a3b"))
