@@ -280,6 +280,18 @@ def test_bitwise_deterministic(case, ctas):
         assert same_bits(getattr(g1, name), getattr(g_half, name)), f"d{name}: default num_ctas vs {half} bits differ"
 
 
+def assert_same_step_bits(spec, m1, m2, inp, dy, seed: int, what: str) -> None:
+    """A training step of `m1` and of `m2` on `inp`'s routing and on a skewed one drawn with `seed`: y and every
+    gradient have the same bits (`what` names the difference between the two plans in the message)."""
+    for c in (inp, with_routing(spec, inp, "skewed", seed=seed)):
+        y1, g1 = train_call(m1, c, dy)
+        y2, g2 = train_call(m2, c, dy)
+        sync()
+        assert same_bits(y1, y2), f"{spec.name}: y bits differ between {what}"
+        for name in NAMES:
+            assert same_bits(getattr(g1, name), getattr(g2, name)), f"{spec.name}: d{name} bits differ between {what}"
+
+
 def test_dgrad1_z_paths_same_bits(case):
     """dgrad1's z paths, through the stage ring by TMA (z_load "tma": dz written over z in shared memory and
     TMA-stored), global loads by the consumer threads a chunk at a time ("direct") and the same loads with the
@@ -294,14 +306,7 @@ def test_dgrad1_z_paths_same_bits(case):
     for other in others:
         moe2 = mokgen.compile(spec, overrides={**OVERRIDES, "dgrad1_z_load": other})
         assert moe2.plan.backward.dgrad1.z_load == other
-        for c in (inp, with_routing(spec, inp, "skewed", seed=3)):
-            y1, g1 = train_call(moe, c, dy)
-            y2, g2 = train_call(moe2, c, dy)
-            sync()
-            assert same_bits(y1, y2), f"{spec.name}: y bits differ between the z paths"
-            for name in NAMES:
-                assert same_bits(getattr(g1, name), getattr(g2, name)), \
-                    f"{spec.name}: d{name} bits differ between dgrad1 z_load {d1.z_load} and {other}"
+        assert_same_step_bits(spec, moe, moe2, inp, dy, 3, f"dgrad1 z_load {d1.z_load} and {other}")
         moe2.check_errors()
 
 
@@ -320,14 +325,7 @@ def test_gemm1_z_store_paths_same_bits(case):
         pytest.skip(f"{spec.name}: no z ring ({e})")
     direct = mokgen.compile(spec, overrides={**base, "gemm1_z_store": "direct"})
     assert (ring.plan.gemm1.z_store, direct.plan.gemm1.z_store) == ("ring", "direct")
-    for c in (inp, with_routing(spec, inp, "skewed", seed=5)):
-        y1, g1 = train_call(direct, c, dy)
-        y2, g2 = train_call(ring, c, dy)
-        sync()
-        assert same_bits(y1, y2), f"{spec.name}: y bits differ between the z paths"
-        for name in NAMES:
-            assert same_bits(getattr(g1, name), getattr(g2, name)), \
-                f"{spec.name}: d{name} bits differ between gemm1 z_store direct and ring"
+    assert_same_step_bits(spec, direct, ring, inp, dy, 5, "gemm1 z_store direct and ring")
     ring.check_errors()
 
 
@@ -340,14 +338,7 @@ def test_backward_streams_same_bits(case):
     other = 2 if moe.plan.backward.streams == 1 else 1
     moe2 = mokgen.compile(spec, overrides={**OVERRIDES, "bwd_streams": other})
     assert moe2.plan.backward.streams == other
-    for c in (inp, with_routing(spec, inp, "skewed", seed=4)):
-        y1, g1 = train_call(moe, c, dy)
-        y2, g2 = train_call(moe2, c, dy)
-        sync()
-        assert same_bits(y1, y2), f"{spec.name}: y bits differ between 1 and 2 backward streams"
-        for name in NAMES:
-            assert same_bits(getattr(g1, name), getattr(g2, name)), \
-                f"{spec.name}: d{name} bits differ between backward streams {moe.plan.backward.streams} and {other}"
+    assert_same_step_bits(spec, moe, moe2, inp, dy, 4, f"backward streams {moe.plan.backward.streams} and {other}")
     mgs = []
     for m in (moe, moe2):
         mg1 = torch.full(inp.w1.shape, 0.5, dtype=torch.float32, device=DEV)
