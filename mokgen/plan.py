@@ -1523,7 +1523,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
         (f"  raster: one group's W = {_group_w_bytes(spec, which) / 2**20:.1f} MiB > L2/4 and routed groups of "
          f">= {GATHER_MIN_GROUP_ROWS} rows span several panels -> tall panels: raster_group = {g.raster_group}"
          if _tall_raster(spec, arch, which) else
-         f"  raster: routed groups of {SMALL_GROUPS_PANEL_MIN_ROWS} to {GATHER_MIN_GROUP_ROWS} rows -> GEMM 1's "
+         f"  raster: routed groups of {SMALL_GROUPS_PANEL_MIN_ROWS} to < {GATHER_MIN_GROUP_ROWS} rows -> GEMM 1's "
          f"taller panels (fewer DRAM re-reads of W1, measured): raster_group = {g.raster_group}"
          if _small_groups_panel(spec, arch, which) else
          f"  raster: {_rules().PANEL_BYTES} <= L2/2  =>  r <= {_rules().RASTER_FIT} = {float(r_fit):.2f} "
