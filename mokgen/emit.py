@@ -80,7 +80,7 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
         return _grouped_params(plan, g, name + "_fp8", bn=g.bn, n_out=n_out, k_dim=k_dim, parts=1, n_stride=k_dim,
                                k_stride=1, p_stride=n_out * k_dim, g_stride=n_out * k_dim, b_mn=False,
                                epilogue="dswiglu" if name == "dgrad1" else "store", fp8=True,
-                               z_tma=name == "dgrad1" and _z_tma(g), z_pipe=name == "dgrad1" and g.z_load == "pipe")
+                               z_tma=name == "dgrad1" and _z_tma(g))
     if name == "dgrad1":
         if I % g.bn:
             raise EmitError(f"plan.backward.dgrad1.bn: {g.bn} must divide ffn {I} (the dSwiGLU epilogue)")
@@ -88,8 +88,7 @@ def _dgrad_params(plan: Plan, name: str) -> dict[str, Any]:
             raise EmitError(f"plan.backward.dgrad1.z_chunk: {g.z_chunk} must divide the {g.bn // 4} z pairs a thread "
                             f"holds")
         return _grouped_params(plan, g, name, bn=g.bn, n_out=I, k_dim=H, parts=1, n_stride=1, k_stride=I,
-                               p_stride=H * I, g_stride=H * I, b_mn=True, epilogue="dswiglu", z_tma=_z_tma(g),
-                               z_pipe=g.z_load == "pipe")
+                               p_stride=H * I, g_stride=H * I, b_mn=True, epilogue="dswiglu", z_tma=_z_tma(g))
     return _grouped_params(plan, g, name, bn=g.bn, n_out=H, k_dim=2 * I, parts=1, n_stride=1, k_stride=H,
                            p_stride=2 * I * H, g_stride=2 * I * H, b_mn=True, epilogue="store")
 
@@ -125,7 +124,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
                     n_stride: int, k_stride: int, p_stride: int, g_stride: int, b_mn: bool, epilogue: str,
                     save_z: bool = False, has_bias: bool = False, a_gather: bool = False,
                     a_rows: bool = False, fp8: bool = False, z_tma: bool = False, z_ring: bool = False,
-                    h_quant: bool = False, z_pipe: bool = False) -> dict[str, Any]:
+                    h_quant: bool = False) -> dict[str, Any]:
     """The render context of templates/sm90/grouped_gemm.py.j2 for kernel `kernel` of GEMM plan `g`: the
     problem's strides from the spec, every tile and pipeline choice from the plan."""
     spec = plan.spec
@@ -180,7 +179,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         mma_split=g.mma_split if fp8 else 1,
         z_chunk=g.z_chunk,
         z_tma=z_tma,
-        z_pipe=z_pipe,
+        z_pipe=epilogue == "dswiglu" and g.z_load == "pipe",   # dgrad1's z by global loads, chunks pipelined
         z_ring=z_ring,
         h_quant=h_quant,
         **dict(zip(("epi_ring", "epi_w"), _epi_ring(g, parts, what))),
