@@ -103,3 +103,43 @@ def test_fp8_spec_mapping():
     spec = BF.resolve_spec(BP.DRY_RUN_SPECS[1])
     d = BP.fp8_spec(spec)
     assert d["dtype"] == "fp8" and d["hidden"] == spec.hidden and spec.dtype == "bf16"
+
+
+@needs_grouped_mm
+def test_backward_rows_of_mokgen_on_reference_kernels(monkeypatch):
+    """--backward's mokgen and mokgen_fp8 rows (here mokgen's launch sequence on the reference kernels): every
+    gradient close to torch's bf16 ones, the FP8 ratios taken against the rows measured in the same call, interleaved
+    rounds recorded."""
+    from mokgen.integrations.common import reference_compiler
+
+    make = reference_compiler()
+    seen = []
+
+    def ref_compile(spec, arch=None, force=False, overrides=None):
+        s = mokgen.load_spec(spec) if isinstance(spec, dict) else spec
+        seen.append(s.dtype)
+        return make(s)
+
+    monkeypatch.setattr(mokgen, "compile", ref_compile)
+    spec = BF.resolve_spec(BP.DRY_RUN_SPECS[0])
+    device = torch.device("cpu")
+    impls = ["torch_grouped_mm", "torch_fp8_grouped_mm", "mokgen", "mokgen_fp8"]
+    recs = BP.bench_backward_shape(spec, dict(gpu="cpu", date="now", versions={}), BF.Timer(device, 1.0, 2.0),
+                                   device, seed=3, impls=impls, rounds=2)
+    by = {r["impl"]: r for r in recs}
+    assert seen == ["bf16", "fp8"] and list(by) == impls
+    for impl in impls:
+        r = by[impl]
+        assert "error" not in r, (impl, r.get("error"))
+        assert r["pass"] == "fwd+bwd" and r["fb_ms"] > 0 and len(r["round_ms"]) == 2
+        assert r["fb_ms"] == pytest.approx(sorted(r["round_ms"])[0] / 2 + sorted(r["round_ms"])[1] / 2)
+        assert r["bitwise_deterministic"] is True and r["bf16_ref"] == "mokgen"
+    assert by["mokgen"]["dtype"] == "bf16" and by["mokgen_fp8"]["dtype"] == "fp8"
+    assert by["mokgen"]["grad_rel_err"] < 2e-2          # bf16 kernels against torch's bf16 pipeline
+    assert 1e-2 < by["mokgen_fp8"]["grad_rel_err"] < 0.15   # FP8 operands: a few percent, not more
+    assert set(by["mokgen_fp8"]["grad_rel_errs"]) == {"x", "topk_weight", "w1", "w2"}
+    fp8 = by["mokgen_fp8"]
+    assert fp8["speedup_vs_bf16"] == pytest.approx(by["mokgen"]["fb_ms"] / fp8["fb_ms"])
+    assert fp8["speedup_vs_torch_fp8"] == pytest.approx(by["torch_fp8_grouped_mm"]["fb_ms"] / fp8["fb_ms"])
+    assert by["torch_grouped_mm"]["speedup_vs_bf16"] == pytest.approx(by["mokgen"]["fb_ms"]
+                                                                       / by["torch_grouped_mm"]["fb_ms"])

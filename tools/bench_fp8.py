@@ -21,7 +21,10 @@ mokgen has no number), ``speedup_vs_torch_fp8`` (torch_fp8_grouped_mm ms / this 
 (against mokgen bf16's output, else torch_grouped_mm's; ``bf16_ref`` names it) and ``rel_err`` (against the
 float32 reference). ``--backward`` adds per shape forward+backward rows (``pass: "fwd+bwd"``, ``fb_ms``,
 ``grad_rel_err`` against torch_grouped_mm's bf16 gradients) for torch_grouped_mm, torch_fp8_grouped_mm
-(FP8 dgrad + FP8 wgrad), torch_fp8_grouped_mm[wgrad=bf16] and torchao_fp8.
+(FP8 dgrad + FP8 wgrad), torch_fp8_grouped_mm[wgrad=bf16], torchao_fp8 and, where they are in ``--impls``, mokgen
+and mokgen_fp8 (``mokgen.moe_forward`` under autograd: the generated backward kernels), timed ``--rounds`` times
+interleaved; there ``speedup_vs_bf16`` is mokgen BF16's fb_ms over the row's (torch_grouped_mm's without a mokgen
+row: ``bf16_ref``) and ``speedup_vs_torch_fp8`` torch_fp8_grouped_mm's fb_ms over the row's, same process.
 
 Timing as bench_forward (``triton.testing.do_bench`` medians). ``--dry-run``: CPU, tiny specs, the FP8 GEMMs
 emulated (dequantize + matmul), nothing written by default. torchao: ``pip install --no-deps
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -59,7 +63,8 @@ IMPLS = ["torch_grouped_mm", "mokgen", "torch_fp8_grouped_mm", "torch_fp8_groupe
          "torch_fp8_grouped_mm_fast_accum", "torch_fp8_gemm_only", "torchao_fp8", "mokgen_fp8",
          "dense_mm", "dense_fp8_mm", "dense_fp8_mm_fast_accum"]
 DENSE = ("dense_mm", "dense_fp8_mm", "dense_fp8_mm_fast_accum")
-BACKWARD_IMPLS = ["torch_grouped_mm", "torch_fp8_grouped_mm", "torch_fp8_grouped_mm[wgrad=bf16]", "torchao_fp8"]
+BACKWARD_IMPLS = ["torch_grouped_mm", "torch_fp8_grouped_mm", "torch_fp8_grouped_mm[wgrad=bf16]", "torchao_fp8",
+                  "mokgen", "mokgen_fp8"]
 DTYPES = {"torch_grouped_mm": "bf16", "mokgen": "bf16", "dense_mm": "bf16"}
 RECORD_FIELDS = BF.RECORD_FIELDS + ["dtype", "speedup_vs_bf16", "speedup_vs_torch_fp8", "rel_err_vs_bf16"]
 
@@ -269,7 +274,12 @@ def bench_dense(n, impls, ctx, timer, device) -> list[dict[str, Any]]:
 
 
 def bench_backward_shape(spec, ctx, timer, device, seed: int, torchao=(False, "not probed"),
-                         impls=None) -> list[dict[str, Any]]:
+                         impls=None, rounds: int = 1) -> list[dict[str, Any]]:
+    """Forward + backward rows of one shape: every implementation in ``impls`` (default :data:`BACKWARD_IMPLS`)
+    under autograd on the same inputs and upstream gradient, timed ``rounds`` times interleaved (the median
+    recorded); gradients against torch_grouped_mm's bf16 ones (``grad_rel_errs``); ``speedup_vs_bf16`` against
+    mokgen BF16's fb_ms where that row ran (else torch_grouped_mm's), ``speedup_vs_torch_fp8`` against
+    torch_fp8_grouped_mm's, both measured here."""
     shape, dims, flops = spec.name, BF.spec_dims(spec), 3 * BF.spec_flops(spec)
     emulate = device.type != "cuda"
     impls = list(BACKWARD_IMPLS if impls is None else impls)
@@ -279,6 +289,16 @@ def bench_backward_shape(spec, ctx, timer, device, seed: int, torchao=(False, "n
     gen = torch.Generator(device=device)
     gen.manual_seed(seed + 5)
     dy = torch.randn(inp["x"].shape, device=device, generator=gen).to(torch.bfloat16)
+    compiled: dict[str, Any] = {}
+
+    def mokgen_fn(impl):
+        import mokgen
+
+        if impl not in compiled:   # compiled (or loaded from the cache) once per shape, outside the timing
+            compiled[impl] = mokgen.compile(spec if impl == "mokgen" else fp8_spec(spec))
+        moe = compiled[impl]
+        return lambda a, **k: mokgen.moe_forward(*a[:5], k.get("b1"), k.get("b2"), moe=moe)
+
     fns = {
         "torch_grouped_mm": lambda a, **k: B.torch_grouped_mm(*a, **k),
         "torch_fp8_grouped_mm": lambda a, **k: B.torch_fp8_grouped_mm_train(*a, **k, wgrad="fp8", emulate=emulate),
@@ -296,6 +316,7 @@ def bench_backward_shape(spec, ctx, timer, device, seed: int, torchao=(False, "n
         return [leaves[n].grad for n in names]
 
     res: dict[str, dict[str, Any]] = {}
+    timed: dict[str, Callable[[], Any]] = {}
     base_grads = None
     for impl in impls:
         try:
@@ -303,36 +324,55 @@ def bench_backward_shape(spec, ctx, timer, device, seed: int, torchao=(False, "n
                 raise RuntimeError(B.grouped_mm_available(device)[1])
             if impl == "torchao_fp8" and not torchao[0]:
                 raise RuntimeError(torchao[1])
-            fn = fns[impl]
+            fn = mokgen_fn(impl) if impl.startswith("mokgen") else fns[impl]
             with torch.enable_grad():
                 g1 = [t.clone() for t in step(fn)]
                 det = BF.bitwise_equal(g1, step(fn))
-                ms = timer(lambda: step(fn))
+                ms = timer(lambda fn=fn: step(fn))
+            if impl in compiled:
+                compiled[impl].check_errors()
             if impl == "torch_grouped_mm":
                 base_grads = g1
             errs = {n: BF.rel_err(a, b) for n, a, b in zip(names, g1, base_grads)} if base_grads else None
-            res[impl] = dict(ms=ms, det=det, errs=errs, error=None)
+            res[impl] = dict(ms=ms, rounds=[ms], det=det, errs=errs, error=None)
+            timed[impl] = fn
             _log(f"[{shape}] fwd+bwd {impl}: {ms:.4f} ms  grad_rel_errs vs bf16 {errs}")
         except Exception as e:  # noqa: BLE001
             res[impl] = dict(ms=None, det=None, errs=None, error=_short_error(e))
             _log(f"[{shape}] fwd+bwd {impl}: FAILED {_short_error(e)}")
             if os.environ.get("MOKGEN_BENCH_TRACEBACK"):
                 traceback.print_exc()
+    for r in range(1, rounds):   # interleaved: every implementation once per round
+        for impl, fn in list(timed.items()):
+            try:
+                with torch.enable_grad():
+                    res[impl]["rounds"].append(timer(lambda fn=fn: step(fn)))
+            except Exception as e:  # noqa: BLE001
+                res[impl] = dict(ms=None, det=None, errs=None, error=f"round {r + 1}: {_short_error(e)}")
+                del timed[impl]
+    for impl in timed:
+        res[impl]["ms"] = statistics.median(res[impl]["rounds"])
     base = res.get("torch_grouped_mm", {}).get("ms")
+    bf16 = res.get("mokgen", {}).get("ms") or base
     fp8 = res.get("torch_fp8_grouped_mm", {}).get("ms")
     recs = []
     for impl in impls:
         r = res[impl]
         ms = r["ms"]
         rec = BF._record(ctx, shape, dims, impl, ms, flops, base, None, r["det"], r["error"])
-        rec.update({"pass": "fwd+bwd", "fb_ms": ms, "dtype": "bf16" if impl == "torch_grouped_mm" else "fp8",
-                    "speedup_vs_bf16": (base / ms) if (ms and base) else None,
+        rec.update({"pass": "fwd+bwd", "fb_ms": ms, "dtype": _dtype(impl),
+                    "speedup_vs_bf16": (bf16 / ms) if (ms and bf16) else None,
+                    "bf16_ref": "mokgen" if res.get("mokgen", {}).get("ms") else "torch_grouped_mm",
                     "speedup_vs_torch_fp8": (fp8 / ms) if (ms and fp8) else None, "rel_err_vs_bf16": None,
                     "grad_rel_errs": r["errs"], "grad_rel_err": max(r["errs"].values()) if r["errs"] else None,
                     "timing": timer.method})
+        if len(r.get("rounds") or ()) > 1:
+            rec["round_ms"] = r["rounds"]
         if impl.startswith("torch_fp8"):
             rec["note"] = ("FP8 dgrad; " + ("FP8 wgrad (_scaled_grouped_mm 2Dx2D)" if "bf16" not in impl
                                             else "bf16 wgrad (torch._grouped_mm 2Dx2D)"))
+        if impl in compiled:
+            rec["plan"] = BF.plan_source(compiled[impl], None)
         recs.append(rec)
     return recs
 
@@ -352,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-dense", action="store_true", help="skip the dense ceilings")
     ap.add_argument("--dense-size", type=int, default=None, help="dense matmul size (default 8192; 256 dry-run)")
     ap.add_argument("--backward", action="store_true", help="also forward+backward rows (torch bf16, torch FP8 "
-                    "with FP8 / bf16 wgrad, torchao)")
+                    "with FP8 / bf16 wgrad, torchao, mokgen and mokgen_fp8 where in --impls)")
     ap.add_argument("--torchao-wheel", default=None, help="a torchao wheel to unpack and import (no pip install)")
     ap.add_argument("--warmup-ms", type=float, default=25.0)
     ap.add_argument("--rep-ms", type=float, default=100.0)
@@ -410,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
                                        torchao=torchao)
                 BF._free(device)
             if args.backward:
-                records += bench_backward_shape(spec, ctx, timer, device, args.seed + k, torchao=torchao)
+                records += bench_backward_shape(spec, ctx, timer, device, args.seed + k, torchao=torchao,
+                                                rounds=max(1, args.rounds),
+                                                impls=[i for i in BACKWARD_IMPLS
+                                                       if not i.startswith("mokgen") or i in impls])
                 BF._free(device)
         if any(i in impls for i in DENSE):
             n = args.dense_size or (256 if device.type == "cpu" else 8192)
