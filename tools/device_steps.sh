@@ -9,6 +9,8 @@
 #   timeline:SPECS                tools/step_timeline.py (sustained per-kernel times) -> $OUT/step-timeline.jsonl
 #   bwd:SPECS                     tools/bench_backward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/backward-h200.json
 #   fwd:SPECS                     tools/bench_forward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/forward-h200.json
+#   fp8:SPECS                     tools/bench_fp8.py --backward --rounds $ROUNDS, one process per BF16 spec (its FP8
+#                                 twin, torch's BF16 and FP8 pipelines; FP8_IMPLS) -> $OUT/fp8-<spec>.json each
 #   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated; @OUT stands for $OUT, e.g. --out,@OUT/x.json)
 #   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
 #                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args;
@@ -43,6 +45,14 @@ for step in "$@"; do
       timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_forward.py $rest --rounds "$ROUNDS" --settle-s "$SETTLE" \
         $FWD_ARGS --out "$OUT/forward-h200.json" 2>>"$OUT/bench-fwd.log" | tail -25
       echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-fwd.log" | cut -c1-300 ;;
+    fp8)
+      for s in $rest; do
+        tag=$(basename "$s" .yaml)
+        timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_fp8.py "$s" --backward --rounds "$ROUNDS" --no-dense \
+          --impls "${FP8_IMPLS:-torch_grouped_mm,mokgen,torch_fp8_grouped_mm,mokgen_fp8}" --out "$OUT/fp8-$tag.json" \
+          2>"$OUT/bench-fp8-$tag.log" | grep -E "mokgen|torch" | cut -c1-150
+        echo "$s exit ${PIPESTATUS[0]}"; grep FAILED "$OUT/bench-fp8-$tag.log" | head -5 | cut -c1-200
+      done ;;
     py)
       script=${rest%%:*}; args=""; [ "$rest" != "$script" ] && args=${rest#*:}; args=${args//@OUT/$OUT}
       timeout "${STEP_TIMEOUT:-300}" python3 "$script" ${args//,/ } 2>&1 | tail -40; echo "exit ${PIPESTATUS[0]}" ;;
