@@ -21,7 +21,7 @@ mokgen has no number), ``speedup_vs_torch_fp8`` (torch_fp8_grouped_mm ms / this 
 (against mokgen bf16's output, else torch_grouped_mm's; ``bf16_ref`` names it) and ``rel_err`` (against the
 float32 reference). ``--backward`` adds per shape forward+backward rows (``pass: "fwd+bwd"``, ``fb_ms``,
 ``grad_rel_err`` against torch_grouped_mm's bf16 gradients) for torch_grouped_mm, torch_fp8_grouped_mm
-(FP8 dgrad + FP8 wgrad), torch_fp8_grouped_mm[wgrad=bf16], torchao_fp8 and, where they are in ``--impls``, mokgen
+(FP8 dgrad + FP8 wgrad), torch_fp8_grouped_mm[wgrad=bf16] and, where they are in ``--impls``, torchao_fp8, mokgen
 and mokgen_fp8 (``mokgen.moe_forward`` under autograd: the generated backward kernels), timed ``--rounds`` times
 interleaved; there ``speedup_vs_bf16`` is mokgen BF16's fb_ms over the row's (torch_grouped_mm's without a mokgen
 row: ``bf16_ref``) and ``speedup_vs_torch_fp8`` torch_fp8_grouped_mm's fb_ms over the row's, same process.
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 records += bench_backward_shape(spec, ctx, timer, device, args.seed + k, torchao=torchao,
                                                 rounds=max(1, args.rounds),
                                                 impls=[i for i in BACKWARD_IMPLS
-                                                       if not i.startswith("mokgen") or i in impls])
+                                                       if i in impls or i.startswith("torch_")])
                 BF._free(device)
         if any(i in impls for i in DENSE):
             n = args.dense_size or (256 if device.type == "cpu" else 8192)
