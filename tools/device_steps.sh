@@ -10,7 +10,8 @@
 #   bwd:SPECS                     tools/bench_backward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/backward-h200.json
 #   fwd:SPECS                     tools/bench_forward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/forward-h200.json
 #   fp8:SPECS                     tools/bench_fp8.py --backward --rounds $ROUNDS, one process per BF16 spec (its FP8
-#                                 twin, torch's BF16 and FP8 pipelines; FP8_IMPLS) -> $OUT/fp8-<spec>.json each
+#                                 twin, torch's BF16 and FP8 pipelines; FP8_IMPLS), all appended to $OUT/fp8-h200.json
+#                                 and $OUT/bench-fp8.log (one file each: a call returns at most 8 files from $OUT)
 #   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated; @OUT stands for $OUT, e.g. --out,@OUT/x.json)
 #   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
 #                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args;
@@ -47,11 +48,11 @@ for step in "$@"; do
       echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-fwd.log" | cut -c1-300 ;;
     fp8)
       for s in $rest; do
-        tag=$(basename "$s" .yaml)
+        echo "=== $s" >> "$OUT/bench-fp8.log"; from=$(wc -l < "$OUT/bench-fp8.log")
         timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_fp8.py "$s" --backward --rounds "$ROUNDS" --no-dense \
-          --impls "${FP8_IMPLS:-torch_grouped_mm,mokgen,torch_fp8_grouped_mm,mokgen_fp8}" --out "$OUT/fp8-$tag.json" \
-          2>"$OUT/bench-fp8-$tag.log" | grep -E "mokgen|torch" | cut -c1-150
-        echo "$s exit ${PIPESTATUS[0]}"; grep FAILED "$OUT/bench-fp8-$tag.log" | head -5 | cut -c1-200
+          --impls "${FP8_IMPLS:-torch_grouped_mm,mokgen,torch_fp8_grouped_mm,mokgen_fp8}" --out "$OUT/fp8-h200.json" \
+          2>>"$OUT/bench-fp8.log" | grep -E "mokgen|torch" | cut -c1-150
+        echo "$s exit ${PIPESTATUS[0]}"; tail -n "+$from" "$OUT/bench-fp8.log" | grep FAILED | head -5 | cut -c1-200
       done ;;
     py)
       script=${rest%%:*}; args=""; [ "$rest" != "$script" ] && args=${rest#*:}; args=${args//@OUT/$OUT}
