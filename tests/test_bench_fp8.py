@@ -143,3 +143,8 @@ def test_backward_rows_of_mokgen_on_reference_kernels(monkeypatch):
     assert fp8["speedup_vs_torch_fp8"] == pytest.approx(by["torch_fp8_grouped_mm"]["fb_ms"] / fp8["fb_ms"])
     assert by["torch_grouped_mm"]["speedup_vs_bf16"] == pytest.approx(by["mokgen"]["fb_ms"]
                                                                        / by["torch_grouped_mm"]["fb_ms"])
+
+
+def test_negative_settle_is_refused(capsys):
+    assert BP.main(["--dry-run", "--settle-s", "-1", "--out", "-"]) == 2
+    assert "--settle-s must be >= 0" in capsys.readouterr().err

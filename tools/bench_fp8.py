@@ -2,7 +2,7 @@
 """FP8 forward (and --backward) benchmark of the MoE layer: the peers mokgen's FP8 is measured against.
 
     python tools/bench_fp8.py [SPEC ...] [--tokens N] [--out bench/results/fp8-h200.json] [--impls a,b]
-                              [--backward] [--rounds R] [--dry-run]
+                              [--backward] [--rounds R] [--settle-s S] [--dry-run]
 
 Shapes: those of tools/bench_forward.py (same T). Implementations per shape (``mokgen/baselines.py``):
 ``torch_grouped_mm`` (bf16), ``torch_fp8_grouped_mm`` (rowwise-scaled ``torch._scaled_grouped_mm`` for both GEMMs,
@@ -397,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-ms", type=float, default=25.0)
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds, median recorded")
+    ap.add_argument("--settle-s", type=float, default=0.0, help="run each implementation back to back this many "
+                    "seconds before each timing (its own sustained clock regime; bench_backward's --settle-s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny specs, FP8 GEMMs emulated")
     return ap
@@ -428,7 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"bench_fp8: {_short_error(e)}", file=sys.stderr)
         return 2
-    timer = BF.Timer(device, args.warmup_ms, args.rep_ms)
+    if args.settle_s < 0:
+        print("bench_fp8: --settle-s must be >= 0", file=sys.stderr)
+        return 2
+    timer = BF.Timer(device, args.warmup_ms, args.rep_ms, settle_s=args.settle_s)
     ctx = dict(gpu=BF.gpu_name(device), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                versions=BF.collect_versions())
     try:

@@ -9,7 +9,7 @@
 #   timeline:SPECS                tools/step_timeline.py (sustained per-kernel times) -> $OUT/step-timeline.jsonl
 #   bwd:SPECS                     tools/bench_backward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/backward-h200.json
 #   fwd:SPECS                     tools/bench_forward.py --rounds $ROUNDS --settle-s $SETTLE -> $OUT/forward-h200.json
-#   fp8:SPECS                     tools/bench_fp8.py --backward --rounds $ROUNDS, one process per BF16 spec (its FP8
+#   fp8:SPECS                     tools/bench_fp8.py --backward --rounds $ROUNDS --settle-s $SETTLE, one process per BF16 spec (its FP8
 #                                 twin, torch's BF16 and FP8 pipelines; FP8_IMPLS), all appended to $OUT/fp8-h200.json
 #                                 and $OUT/bench-fp8.log (one file each: a call returns at most 8 files from $OUT)
 #   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated; @OUT stands for $OUT, e.g. --out,@OUT/x.json)
@@ -49,7 +49,7 @@ for step in "$@"; do
     fp8)
       for s in $rest; do
         echo "=== $s" >> "$OUT/bench-fp8.log"; from=$(wc -l < "$OUT/bench-fp8.log")
-        timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_fp8.py "$s" --backward --rounds "$ROUNDS" --no-dense \
+        timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_fp8.py "$s" --backward --rounds "$ROUNDS" --settle-s "$SETTLE" --no-dense \
           --impls "${FP8_IMPLS:-torch_grouped_mm,mokgen,torch_fp8_grouped_mm,mokgen_fp8}" --out "$OUT/fp8-h200.json" \
           2>>"$OUT/bench-fp8.log" | grep -E "mokgen|torch" | cut -c1-150
         echo "$s exit ${PIPESTATUS[0]}"; tail -n "+$from" "$OUT/bench-fp8.log" | grep FAILED | head -5 | cut -c1-200
