@@ -99,3 +99,31 @@ def test_profile_routing_stats_and_classes():
     assert MP.kernel_class("void multi_tensor_apply_kernel<FusedAdam>", "mokgen") == "optimizer"
     assert MP.kernel_class("flash_fwd_kernel", "grouped_mm") == "attention"
     assert MP.kernel_class("void at::native::vectorized_elementwise_kernel", "mokgen") == "other"
+
+
+def test_dry_run_gradient_accumulation(tmp_path):
+    """--accum 2: every optimizer step runs two micro-batches (their mean loss), tokens per step doubled; a step of
+    one micro-batch (accum 1) is the plain step."""
+    out = tmp_path / "model.json"
+    assert BM.main(["--dry-run", "--out", str(out), "--steps", "3", "--accum", "2",
+                    "--impls", "grouped_mm,mokgen"]) == 0
+    recs = json.loads(out.read_text())
+    assert [r["impl"] for r in recs] == ["grouped_mm", "mokgen"]
+    for r in recs:
+        assert "error" not in r, r.get("error")
+        d = r["dims"]
+        assert d["accum"] == 2 and d["tokens_per_step"] == 2 * d["batch"] * d["seq"]
+        assert len(r["losses"]) == 3 and len(r["step_ms"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+        assert r["tokens_per_s"] == pytest.approx(d["tokens_per_step"] / (r["median_ms"] * 1e-3))
+    # the first step's loss is the mean of its two micro-batches' losses at the initial weights
+    a = BM.build_parser().parse_args(["--dry-run", "--steps", "3", "--accum", "2"])
+    for k, v in BM.DRY.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    data = BM.batches(a, torch.device("cpu"))
+    assert len(data) == 6
+    model = BM.build_model(BM.model_config(a), torch.device("cpu"), a.seed, "grouped_mm")
+    with torch.no_grad():
+        want = sum(model(input_ids=ids, labels=ids).loss.item() for ids in data[:2]) / 2
+    assert recs[0]["losses"][0] == pytest.approx(want, rel=1e-5)
+    assert BM.main(["--dry-run", "--accum", "0", "--out", "-"]) == 2

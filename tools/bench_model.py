@@ -3,7 +3,7 @@
 synthetic tokens, its experts computed by mokgen's backend, transformers' grouped_mm backend and (if importable)
 Liger-Kernel's qwen3_moe patch, in one process.
 
-    python tools/bench_model.py [--steps 100] [--warmup-steps 10] [--batch 4] [--seq 1024] [--layers 4]
+    python tools/bench_model.py [--steps 100] [--warmup-steps 10] [--batch 4] [--seq 1024] [--accum 1] [--layers 4]
                                 [--hidden 2048] [--experts 128] [--topk 8] [--moe-intermediate 768] [--vocab 8192]
                                 [--impls mokgen,mokgen_fp8,grouped_mm,liger] [--liger-full] [--liger-autotune] [--rounds 1]
                                 [--out bench/results/model-h200.json] [--dry-run]
@@ -15,7 +15,9 @@ the same weights: ``init_checksum`` in the records), SDPA attention, no dropout.
 ``--seq`` tokens per step (T = batch * seq tokens through every MoE layer), each sequence a random segment of 64
 tokens repeated (so the loss has something to learn: copying), the same batches for every implementation. The
 step: LM loss (labels = inputs), ``loss.backward()``, ``AdamW.step()`` (lr ``--lr``, fused on CUDA),
-``zero_grad(set_to_none=True)``.
+``zero_grad(set_to_none=True)``; with ``--accum N`` (gradient accumulation) a step runs N micro-batches' forward and
+backward (each loss divided by N, the step's loss their sum) before its one AdamW update, so the optimizer's cost,
+the same for every implementation, is spread over N times the tokens (``tokens_per_step`` = batch * seq * N).
 
 Implementations: ``mokgen`` (``model.set_experts_implementation("mokgen")``: mokgen.integrations.transformers),
 ``mokgen_fp8`` (the same backend with ``configure(dtype="fp8")``: the experts' GEMMs in Hopper's blockwise FP8,
@@ -31,7 +33,7 @@ here, carry ``.whl`` (``tools/device_env.sh`` installs it into /tmp/site).
 Timing: CUDA events around every step (no host sync inside the loop; the losses are read at the end);
 ``step_ms`` lists them all, ``median_ms`` is the median over the steps after ``--warmup-steps`` (the first
 ones include mokgen's kernel load or compile, Triton's JIT, the optimizer's state allocation), ``tokens_per_s``
-= batch * seq / median. ``--rounds N`` runs every implementation's loop N times, interleaved (fresh model each
+= batch * seq * accum / median. ``--rounds N`` runs every implementation's loop N times, interleaved (fresh model each
 time), and records the median of the rounds' medians (``round_ms``). Ratios are measured in this run:
 ``speedup_vs_grouped_mm`` / ``speedup_vs_liger`` = that implementation's median_ms / this one's.
 
@@ -150,11 +152,11 @@ def checksum(model: torch.nn.Module) -> float:
 
 
 def batches(a: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
-    """``steps`` batches of ``[batch, seq]`` token ids (seeded, the same for every implementation)."""
+    """``steps * accum`` micro-batches of ``[batch, seq]`` token ids (seeded, the same for every implementation)."""
     g = torch.Generator().manual_seed(a.seed + 1)
     out = []
     reps = -(-a.seq // PERIOD)
-    for _ in range(a.steps):
+    for _ in range(a.steps * a.accum):
         seg = torch.randint(0, a.vocab, (a.batch, PERIOD), generator=g)
         out.append(seg.repeat(1, reps)[:, :a.seq].contiguous().to(device))
     return out
@@ -189,7 +191,8 @@ def apply_liger(model: torch.nn.Module, full: bool) -> None:
 
 def train(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Tensor], device: torch.device,
           liger_full: bool) -> dict[str, Any]:
-    """Build the model for ``impl``, train ``a.steps`` steps; {losses, step_ms, peak_mem_mb, init_checksum}."""
+    """Build the model for ``impl``, train ``a.steps`` optimizer steps of ``a.accum`` micro-batches each; {losses
+    (per step: the mean over its micro-batches), step_ms, peak_mem_mb, init_checksum}."""
     model = build_model(cfg, device, a.seed, impl)
     res: dict[str, Any] = {"init_checksum": checksum(model)}
     if impl == "liger":
@@ -209,17 +212,20 @@ def train(impl: str, a: argparse.Namespace, cfg: Any, data: list[torch.Tensor], 
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     losses, events, wall = [], [], []
-    for ids in data:
+    for step in range(a.steps):
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
         else:
             t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss = 0.0
+        for ids in data[step * a.accum:(step + 1) * a.accum]:   # gradient accumulation: the micro-batches' mean
+            micro = model(input_ids=ids, labels=ids).loss / a.accum
+            micro.backward()
+            loss = loss + micro.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(loss)
         if cuda:
             e.record()
             events.append((s, e))
@@ -268,14 +274,15 @@ def run_all(a: argparse.Namespace, impls: list[str], device: torch.device) -> tu
             res["median_ms"] = _median(timed)
             results[impl]["rounds"].append(res)
             _log(f"round {r + 1} {impl}: median {res['median_ms']:.2f} ms/step "
-                 f"({a.batch * a.seq / (res['median_ms'] * 1e-3):,.0f} tokens/s), loss {res['losses'][0]:.3f} -> "
+                 f"({a.batch * a.seq * a.accum / (res['median_ms'] * 1e-3):,.0f} tokens/s), loss {res['losses'][0]:.3f} -> "
                  f"{res['losses'][-1]:.3f}, peak {res['peak_mem_mb'] or 0:.0f} MiB ({time.perf_counter() - t0:.1f} s)")
     return results, cfg
 
 
 def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict[str, Any]) -> list[dict[str, Any]]:
     dims = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, topk=a.topk, moe_intermediate=a.moe_intermediate,
-                vocab=a.vocab, batch=a.batch, seq=a.seq, tokens_per_step=a.batch * a.seq, lr=a.lr,
+                vocab=a.vocab, batch=a.batch, seq=a.seq, accum=a.accum, tokens_per_step=a.batch * a.seq * a.accum,
+                lr=a.lr,
                 liger_full=a.liger_full, liger_autotune=a.liger_autotune)
     shape = f"qwen3-moe-h{a.hidden}-e{a.experts}-k{a.topk}-i{a.moe_intermediate}-{a.layers}L"
     med = {i: _median([rr["median_ms"] for rr in r["rounds"]]) for i, r in results.items() if r.get("rounds")}
@@ -301,7 +308,7 @@ def records(a: argparse.Namespace, results: dict[str, dict[str, Any]], ctx: dict
             rec.update(experts_ms=ms - ref_ms, experts_share=(ms - ref_ms) / ms)
         else:
             rec.update(experts_ms=None, experts_share=None)
-        rec.update(median_ms=ms, tokens_per_s=a.batch * a.seq / (ms * 1e-3),
+        rec.update(median_ms=ms, tokens_per_s=a.batch * a.seq * a.accum / (ms * 1e-3),
                    speedup_vs_grouped_mm=(med["grouped_mm"] / ms) if med.get("grouped_mm") else None,
                    speedup_vs_liger=(med["liger"] / ms) if med.get("liger") else None,
                    speedup_vs_mokgen=(med["mokgen"] / ms) if med.get("mokgen") and impl == "mokgen_fp8" else None,
@@ -352,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the median (default 10)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation: "
+                    "each step runs ACCUM forward+backward passes of --batch sequences, then one AdamW update; "
+                    "default 1)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers, all MoE (default 4)")
     ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048)")
     ap.add_argument("--experts", type=int, default=None, help="experts per layer (default 128)")
@@ -380,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in (DRY if a.dry_run else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if a.steps < 1 or a.warmup_steps < 0 or a.rounds < 1:
-        print("bench_model: --steps >= 1, --warmup-steps >= 0, --rounds >= 1", file=sys.stderr)
+    if a.steps < 1 or a.warmup_steps < 0 or a.rounds < 1 or a.accum < 1:
+        print("bench_model: --steps >= 1, --warmup-steps >= 0, --rounds >= 1, --accum >= 1", file=sys.stderr)
         return 2
     device = BF.pick_device(a.dry_run, "bench_model")
     impls = BF.parse_impls(a.impls, IMPLS, "bench_model")
@@ -418,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
               else "perf_counter per step, median after warm-up")
     ctx = dict(gpu=BF.gpu_name(device), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                versions=versions, timing=timing)
-    _log(f"bench_model on {ctx['gpu']}; {timing}; versions {versions}; impls {impls}; T = {a.batch} x {a.seq}")
+    _log(f"bench_model on {ctx['gpu']}; {timing}; versions {versions}; impls {impls}; T = {a.batch} x {a.seq}"
+         + (f", {a.accum} micro-batches per optimizer step" if a.accum > 1 else ""))
     t0 = time.perf_counter()
     results, _cfg = run_all(a, impls, device)
     recs = records(a, results, ctx)
