@@ -97,12 +97,22 @@ def test_mokgen_rows_with_stand_ins(monkeypatch):
     assert fp8["bf16_ref"] == "mokgen"
     assert fp8["speedup_vs_bf16"] == pytest.approx(by["mokgen"]["median_ms"] / fp8["median_ms"])
     BP.print_table(recs, "stand-ins")
+    # given the FP8 spec itself, the BF16 row still compiles the BF16 twin
+    seen.clear()
+    BP.bench_shape(mokgen.load_spec(BP.fp8_spec(spec)), ["mokgen", "mokgen_fp8"],
+                   dict(gpu="cpu", date="now", versions={}), BF.Timer(device), device, seed=1)
+    assert seen == ["bf16", "fp8"]
 
 
 def test_fp8_spec_mapping():
     spec = BF.resolve_spec(BP.DRY_RUN_SPECS[1])
     d = BP.fp8_spec(spec)
     assert d["dtype"] == "fp8" and d["hidden"] == spec.hidden and spec.dtype == "bf16"
+    # an FP8 preset given to the bench: its BF16 row compiles the BF16 twin, not the FP8 spec again
+    fp8 = BF.resolve_spec("kimi-k2-fp8")
+    assert fp8.dtype == "fp8"
+    b = BP.spec_as(fp8, "bf16")
+    assert b["dtype"] == "bf16" and mokgen.load_spec(b).dtype == "bf16" and b["hidden"] == fp8.hidden
 
 
 @needs_grouped_mm

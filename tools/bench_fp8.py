@@ -72,11 +72,17 @@ _log = BF._log
 _short_error = BF._short_error
 
 
+def spec_as(spec, dtype: str) -> dict[str, Any]:
+    """The spec as a mapping with ``dtype`` set: what ``mokgen.compile`` gets for the mokgen (``bf16``) and
+    mokgen_fp8 (``fp8``) rows, whichever dtype the given spec has (an FP8 preset's BF16 row is its BF16 twin)."""
+    d = dict(spec.to_dict())
+    d["dtype"] = dtype
+    return d
+
+
 def fp8_spec(spec) -> dict[str, Any]:
     """The spec as a mapping with ``dtype: fp8`` (what ``mokgen.compile`` gets for the mokgen_fp8 row)."""
-    d = dict(spec.to_dict())
-    d["dtype"] = "fp8"
-    return d
+    return spec_as(spec, "fp8")
 
 
 def use_torchao_wheel(path: str) -> str:
@@ -191,7 +197,7 @@ def bench_shape(spec, impls, ctx, timer, device, seed: int, rounds: int = 1,
         try:
             import mokgen
 
-            moe = mokgen.compile(spec if sp is None else fp8_spec(spec))
+            moe = mokgen.compile(spec_as(spec, "bf16" if sp is None else sp))
             R.run(name, lambda m=moe: m(inp["x"], inp["topk_idx"], inp["topk_weight"], inp["w1"], inp["w2"],
                                         inp["b1"], inp["b2"]))
             if name in R.results and R.results[name]["error"] is None:
@@ -295,7 +301,7 @@ def bench_backward_shape(spec, ctx, timer, device, seed: int, torchao=(False, "n
         import mokgen
 
         if impl not in compiled:   # compiled (or loaded from the cache) once per shape, outside the timing
-            compiled[impl] = mokgen.compile(spec if impl == "mokgen" else fp8_spec(spec))
+            compiled[impl] = mokgen.compile(spec_as(spec, "bf16" if impl == "mokgen" else "fp8"))
         moe = compiled[impl]
         return lambda a, **k: mokgen.moe_forward(*a[:5], k.get("b1"), k.get("b2"), moe=moe)
 
