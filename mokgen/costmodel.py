@@ -174,16 +174,17 @@ def _era_plan(spec: Spec, arch: str, ov: dict[str, Any], era: Mapping[str, bool]
     if era.get("gather_always") and "gemm1_a_load" not in ov and ov.get("schedule") != "fused":
         ov["gemm1_a_load"] = "gather"
     p = P.solve(spec, arch, **ov)
-    if era.get("flat_raster") and not any("raster" in k for k in ov) and p.schedule == "chain":
-        a = P.get_arch(arch)
-        for which, g in ((1, p.gemm1), (2, p.gemm2)):
-            ov[f"gemm{which}_raster_group"] = P._raster_group(a, P._gemm_shape(spec, which)[1], g.bn)
-        p = P.solve(spec, arch, **ov)
-    elif (era.get("small_groups_flat") and not any("raster" in k for k in ov) and p.schedule == "chain"
-          and P._small_groups_panel(spec, P.get_arch(arch), 1)):
-        ov["gemm1_raster_group"] = P._raster_group(P.get_arch(arch), P._gemm_shape(spec, 1)[1], p.gemm1.bn)
-        p = P.solve(spec, arch, **ov)
-    return p
+    if any("raster" in k for k in ov) or p.schedule != "chain":
+        return p
+    a = P.get_arch(arch)
+    # the GEMMs whose panels that era sized by the L2 fit alone: both (flat_raster), or GEMM 1 where the
+    # small-group panel rule now applies (small_groups_flat)
+    flat = ((1, 2) if era.get("flat_raster") else
+            (1,) if era.get("small_groups_flat") and P._small_groups_panel(spec, a, 1) else ())
+    for which in flat:
+        g = p.gemm1 if which == 1 else p.gemm2
+        ov[f"gemm{which}_raster_group"] = P._raster_group(a, P._gemm_shape(spec, which)[1], g.bn)
+    return P.solve(spec, arch, **ov) if flat else p
 
 
 def bench_records(paths: Iterable[Path] = BENCH_FILES, arch: str = "sm_90a") -> list[Record]:
