@@ -99,14 +99,14 @@ def test_mokgen_rows_with_stand_ins(monkeypatch):
     BP.print_table(recs, "stand-ins")
     # given the FP8 spec itself, the BF16 row still compiles the BF16 twin
     seen.clear()
-    BP.bench_shape(mokgen.load_spec(BP.fp8_spec(spec)), ["mokgen", "mokgen_fp8"],
+    BP.bench_shape(mokgen.load_spec(BP.spec_as(spec, "fp8")), ["mokgen", "mokgen_fp8"],
                    dict(gpu="cpu", date="now", versions={}), BF.Timer(device), device, seed=1)
     assert seen == ["bf16", "fp8"]
 
 
 def test_fp8_spec_mapping():
     spec = BF.resolve_spec(BP.DRY_RUN_SPECS[1])
-    d = BP.fp8_spec(spec)
+    d = BP.spec_as(spec, "fp8")
     assert d["dtype"] == "fp8" and d["hidden"] == spec.hidden and spec.dtype == "bf16"
     # an FP8 preset given to the bench: its BF16 row compiles the BF16 twin, not the FP8 spec again
     fp8 = BF.resolve_spec("kimi-k2-fp8")

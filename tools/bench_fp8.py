@@ -80,11 +80,6 @@ def spec_as(spec, dtype: str) -> dict[str, Any]:
     return d
 
 
-def fp8_spec(spec) -> dict[str, Any]:
-    """The spec as a mapping with ``dtype: fp8`` (what ``mokgen.compile`` gets for the mokgen_fp8 row)."""
-    return spec_as(spec, "fp8")
-
-
 def use_torchao_wheel(path: str) -> str:
     """Unpack a torchao wheel to a temp dir and put it first on sys.path; returns the dir."""
     d = tempfile.mkdtemp(prefix="torchao-wheel-")
