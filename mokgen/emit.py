@@ -370,7 +370,7 @@ def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: 
         template, title, params = FP8_QUANT[name]
         out[f"{name}.py"] = env.get_template(template).render(
             header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name, bm=plan.bm,
-            **params, **_table(name))
+            pdl=plan.pdl, **params, **_table(name))
     return out
 
 

@@ -134,7 +134,7 @@ class Renderer:
     def __call__(self, template: str, out_name: str, title: str, **params: Any) -> None:
         self.files[f"{out_name}.py"] = self.env.get_template(template).render(
             header=_header(self.plan, template, self.thash), name=out_name, title=title,
-            spec_name=self.plan.spec.name, **params)
+            spec_name=self.plan.spec.name, pdl=self.plan.pdl, **params)
 
     # the SIMT kernels (plain loads, stores, integer atomics: no arch-specific instruction), every arch's
     def routing(self, zero_sync: bool = False) -> None:

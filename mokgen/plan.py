@@ -22,7 +22,7 @@ from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, pl
 from .plan_types import (  # the plan's types and shared vocabulary (re-exported: plan.Plan, plan.PlanError, ...)
     BACKWARD_GEMMS, BARRIER_BYTES, BM, CONSUMER_WGS, CONSUMERS, ELEM_BYTES, EPI_BUFFERS, EPI_M, EPI_N,
     MAX_STAGES, MIN_STAGES, PRODUCER_REGS, SCHEDULES, WGRAD_DTYPE_KEYS, Z_CHUNK, BackwardPlan, GemmPlan, Plan,
-    PlanError, SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct, _settle_streams,
+    PlanError, SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct, _settle_pdl, _settle_streams,
     _tile_m, fused_tiles_ok, get_arch,
 )
 from .sm100 import plan as _sm100_plan  # the sm_100a plan rules (ARCH_RULES)
@@ -707,10 +707,10 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if (own := _own_rules(arch)) is not None:   # e.g. sm_100a: its kernels' form
         return own.solve(spec, arch, overrides, _shared_solver())
     streams = overrides.get("bwd_streams")
-    rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store")}
+    rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store", "pdl")}
     plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi, given=rest)
     plan = _settle_z_store(plan, overrides.get("gemm1_z_store"), "gemm1_a_load" in overrides)
-    return _settle_streams(plan, streams)
+    return _settle_pdl(_settle_streams(plan, streams), overrides.get("pdl"))
 
 
 # ---- the archs with plan rules of their own --------------------------------------------------------------------
@@ -1647,6 +1647,9 @@ def explain(plan: Plan, top: int = 5) -> str:
            else "routing, then one persistent kernel claiming G1/G2/combine tasks chunk by chunk)")
         + (own.explain_clusters(plan) if own else
            f"; W-tile clusters: GEMM 1 {plan.gemm1.cluster}, GEMM 2 {plan.gemm2.cluster}"),
+        f"launch: programmatic dependent launch {'on' if plan.pdl else 'off'} (plan pdl: "
+        + ("each kernel may start while the one before it finishes, and waits for it before touching memory)"
+           if plan.pdl else "each kernel starts when the one before it has finished)"),
         f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
         f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
         f"max_m_tiles = {plan.max_m_tiles}",

@@ -59,6 +59,7 @@ SCHEDULES = _SPACE.values("schedule")
 #   wgrad2  dW2[g] = dOgᵀ . (s a)   H x I  per group, K = the group's rows
 BACKWARD_GEMMS = ("dgrad1", "dgrad2", "wgrad1", "wgrad2")
 BWD_STREAMS = _SPACE.values("streams", "bwd")  # BackwardPlan.streams (override bwd_streams)
+PDL = _SPACE.values("pdl")  # Plan.pdl (override pdl)
 WGRAD_DTYPE_KEYS = ("wgrad1_dtype", "wgrad2_dtype")
 
 
@@ -212,8 +213,14 @@ class Plan:
     notes: tuple[str, ...] = ()
     schedule: str = "chain"  # see SCHEDULES
     backward: BackwardPlan | None = None  # the training kernels' tiles (None: a plan dict from before them)
+    pdl: int = 0  # 1: every kernel launched with programmatic dependent launch (the sm_90a templates; see PDL)
 
     def __post_init__(self) -> None:
+        if isinstance(self.pdl, bool) or self.pdl not in PDL:
+            raise PlanError(f"plan.pdl: must be one of {', '.join(map(str, PDL))}, got {self.pdl!r}")
+        if self.pdl and self.arch != "sm_90a":
+            raise PlanError(f"plan.pdl: programmatic dependent launch is built into the sm_90a templates only, not "
+                            f"{self.arch}'s")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule == "fused":
@@ -328,6 +335,13 @@ def _settle_streams(plan: Plan, streams: Any) -> Plan:
         raise PlanError(f"plan.bwd_streams: must be one of {', '.join(map(str, BWD_STREAMS))}, got {streams!r}")
     return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, streams=streams),
                                notes=plan.notes + (f"overrides: bwd_streams={streams}",))
+
+
+def _settle_pdl(plan: Plan, pdl: Any) -> Plan:
+    """Programmatic dependent launch: the ``pdl`` override (checked by Plan), else the plan's default (off)."""
+    if pdl is None:
+        return plan
+    return dataclasses.replace(plan, pdl=pdl, notes=plan.notes + (f"overrides: pdl={pdl}",))
 
 
 def _pct(x: float) -> str:

@@ -394,3 +394,65 @@ def test_gemm1_z_ring_compiles(name, tmp_path):
     stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
     assert len(stores) >= 3, stores   # unrolled: z's gate / up (or pair) boxes of each z stage, the output's boxes
     assert build.ptxas_advisories(ptx, "sm_90a") in ([], None)
+
+
+# a kernel body's first global memory access, in the emitted sources' vocabulary: a global tensor's element
+# (mMeta[0], mX[row, c]), a TMA or cp.async copy, a vector load of a global view (.load()), an atomic
+_GLOBAL_ACCESS = re.compile(r"\bm[A-Z]\w*\[|cute\.copy\(|cute\.autovec_copy\(|cpasync\.copy|\.load\(\)|atomic_")
+
+
+def _kernel_body(text: str) -> list[str]:
+    """The lines of the `@cute.kernel` function of an emitted kernel file (to the next top-level definition)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def kernel("))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("def ", "@"))), len(lines))
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("name,overrides", [("kimi-k2", {}), ("qwen3-30b-a3b-fp8", {}), ("gpt-oss-120b", {}),
+                                            ("kimi-k2", {"schedule": "fused"}), ("qwen3-30b-a3b", {"cluster": 2})])
+def test_pdl_launch_and_wait(name, overrides):
+    """Plan pdl=1 (programmatic dependent launch): every kernel the layer launches (not the EP kernels) is launched
+    with ``use_pdl=True`` and, in its body, waits for the previous grid exactly once, before its first global
+    memory access, and never triggers its dependents early (they launch as its CTAs exit); nothing else changes (the
+    sources with pdl=0 are those with pdl=1 less that line), and pdl=0 emits none of it."""
+    spec = load_spec(name)
+    off, on = (emit(solve(spec, "sm_90a", **overrides, pdl=v)) for v in (0, 1))
+    assert set(off.files) == set(on.files)
+    pdl_lines = ("cute.arch.griddepcontrol_wait()",)
+    for fname, text in on.files.items():
+        assert "griddepcontrol" not in off.files[fname] and "use_pdl" not in off.files[fname], fname
+        if fname.startswith("ep_"):
+            assert "griddepcontrol" not in text and "use_pdl" not in text, fname
+            continue
+        body = _kernel_body(text)
+        stripped = [line.strip() for line in body]
+        assert stripped.count("cute.arch.griddepcontrol_wait()") == 1 and "launch_dependents" not in text, fname
+        assert text.count("use_pdl=True") == 1 and text.count(".launch(") == 1, fname
+        wait = stripped.index("cute.arch.griddepcontrol_wait()")
+        first = next(i for i, line in enumerate(body) if _GLOBAL_ACCESS.search(line) and not line.lstrip().startswith("#"))
+        assert wait < first, (fname, body[first])
+        # the same source but for the header's plan, the wait and the launch option
+        plain = [line for line in text.replace(", use_pdl=True", "").splitlines()
+                 if line.strip() not in pdl_lines and not line.startswith("# plan:")]
+        assert plain == [line for line in off.files[fname].splitlines() if not line.startswith("# plan:")], fname
+
+
+@pytest.mark.slow
+def test_pdl_compiles(tmp_path):
+    """pdl=1: the layer's kernels of each kind (routing, an FP8 quantizer, the training GEMM 1 with its z ring, a
+    weight gradient, the combine) compile for sm_90a with griddepcontrol.wait in their PTX, wgmma still pipelined."""
+    pytest.importorskip("cutlass")
+    from mokgen import build
+
+    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", pdl=1)
+    keep = {"routing.py", "quant_rows_gather.py", "gemm1_train.py", "wgrad1.py", "combine.py"}
+    src = emit(plan)
+    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
+                      tmp_path, progress=False)
+    for k in keep:
+        ptx = (Path(art.dir) / k.replace(".py", ".ptx")).read_text()
+        assert "griddepcontrol.wait;" in ptx and "launch_dependents" not in ptx, k
+    adv = build.ptxas_report(art)
+    if adv is not None:
+        assert not any(adv.values()), adv

@@ -221,6 +221,15 @@ def test_promote_modes_same_bits(case):
         other.check_errors()
 
 
+def test_pdl_same_bits(case):
+    """Programmatic dependent launch (plan pdl) on and off: the FP8 step's quantizers, GEMMs and combines give the
+    same forward and gradient bits (each kernel waits for the previous grid before its first memory access)."""
+    spec, moe, inp = case
+    other = mokgen.compile(spec, overrides={**OVERRIDES, "pdl": 1 - moe.plan.pdl})
+    _assert_same_step_bits(spec, moe, other, inp, 12, f"pdl={other.plan.pdl}")
+    other.check_errors()
+
+
 def test_scale_load_same_bits(case):
     """Where the FP8 GEMMs read their scales (plan scale_load: "global" = the consumer threads' global loads,
     "stage" = a producer warp's copies into a shared-memory ring) changes no product and no order: the forward
