@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 
 from .emit_base import (TEMPLATE_DIR, EmitError, Renderer, Sources, _activation, _environment, _header, _table,
-                        _w1_strides, template_hash)
+                        _w1_strides, pdl_params, template_hash)
 from . import kernels
 from .sm100 import emit as _sm100_emit
 from .plan import (FP8_SPLIT_PROMOTES, L2_HINTS, Plan, epi_ring_problem, h_quant_problem, stage_scales_problem,
@@ -370,7 +370,7 @@ def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: 
         template, title, params = FP8_QUANT[name]
         out[f"{name}.py"] = env.get_template(template).render(
             header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name, bm=plan.bm,
-            pdl=plan.pdl, **params, **_table(name))
+            **pdl_params(plan), **params, **_table(name))
     return out
 
 

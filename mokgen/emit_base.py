@@ -91,6 +91,13 @@ def template_hash() -> str:
     return h.hexdigest()
 
 
+def pdl_params(plan: Plan) -> dict[str, bool]:
+    """The templates' programmatic-dependent-launch switches from plan pdl: ``pdl`` (launched with it, and waiting
+    for the previous grid before the first global access) and ``pdl_tail`` (a persistent GEMM's loading warps
+    trigger the next launch once they have issued their last tile's loads)."""
+    return dict(pdl=plan.pdl != "off", pdl_tail=plan.pdl == "tail")
+
+
 def _header(plan: Plan, template: str, thash: str) -> str:
     spec_json = json.dumps(plan.spec.to_dict(), sort_keys=True, separators=(",", ":"))
     plan_json = json.dumps(
@@ -134,7 +141,7 @@ class Renderer:
     def __call__(self, template: str, out_name: str, title: str, **params: Any) -> None:
         self.files[f"{out_name}.py"] = self.env.get_template(template).render(
             header=_header(self.plan, template, self.thash), name=out_name, title=title,
-            spec_name=self.plan.spec.name, pdl=self.plan.pdl, **params)
+            spec_name=self.plan.spec.name, **pdl_params(self.plan), **params)
 
     # the SIMT kernels (plain loads, stores, integer atomics: no arch-specific instruction), every arch's
     def routing(self, zero_sync: bool = False) -> None:

@@ -1647,9 +1647,12 @@ def explain(plan: Plan, top: int = 5) -> str:
            else "routing, then one persistent kernel claiming G1/G2/combine tasks chunk by chunk)")
         + (own.explain_clusters(plan) if own else
            f"; W-tile clusters: GEMM 1 {plan.gemm1.cluster}, GEMM 2 {plan.gemm2.cluster}"),
-        f"launch: programmatic dependent launch {'on' if plan.pdl else 'off'} (plan pdl: "
-        + ("each kernel may start while the one before it finishes, and waits for it before touching memory)"
-           if plan.pdl else "each kernel starts when the one before it has finished)"),
+        f"launch: programmatic dependent launch {plan.pdl} (plan pdl: "
+        + {"off": "each kernel starts when the one before it has finished)",
+           "exit": "each kernel is launched as the CTAs of the one before it exit, and waits for that grid before "
+                   "touching memory)",
+           "tail": "as exit, but after a persistent GEMM the next kernel is launched once each of its CTAs has "
+                   "issued its last tile's loads)"}[plan.pdl],
         f"capacity: cap_rows = ceil_BM(T*K + S*T + G*(BM-1)) = ceil_BM({spec.routed_rows} + "
         f"{spec.shared_experts * spec.tokens} + {spec.groups * (plan.bm - 1)}) = {plan.cap_rows}; "
         f"max_m_tiles = {plan.max_m_tiles}",

@@ -213,12 +213,12 @@ class Plan:
     notes: tuple[str, ...] = ()
     schedule: str = "chain"  # see SCHEDULES
     backward: BackwardPlan | None = None  # the training kernels' tiles (None: a plan dict from before them)
-    pdl: int = 0  # 1: every kernel launched with programmatic dependent launch (the sm_90a templates; see PDL)
+    pdl: str = "off"  # programmatic dependent launch of the layer's kernels (the sm_90a templates; see PDL)
 
     def __post_init__(self) -> None:
-        if isinstance(self.pdl, bool) or self.pdl not in PDL:
-            raise PlanError(f"plan.pdl: must be one of {', '.join(map(str, PDL))}, got {self.pdl!r}")
-        if self.pdl and self.arch != "sm_90a":
+        if self.pdl not in PDL:
+            raise PlanError(f"plan.pdl: must be one of {', '.join(PDL)}, got {self.pdl!r}")
+        if self.pdl != "off" and self.arch != "sm_90a":
             raise PlanError(f"plan.pdl: programmatic dependent launch is built into the sm_90a templates only, not "
                             f"{self.arch}'s")
         if self.schedule not in SCHEDULES:

@@ -134,11 +134,12 @@ SM90 = ArchSpace(
         Knob("raster_group", ("dgrad1", "dgrad2"), tuple(range(1, _RASTER_MAX + 1)), search=(1, 4, 16),
              doc="dgrads: routing tiles per raster panel (derived as the forward GEMMs': the A panel fits the L2, "
                  "so 1-2 where K is very long, e.g. dgrad2 with a 64k-wide dz)"),
-        Knob("pdl", ("plan",), (0, 1), search=None,
-             doc="programmatic dependent launch: every kernel of the layer (not the EP kernels) is launched so that "
-                 "it may start while the kernel before it in the stream finishes, and waits for that kernel's grid "
-                 "(griddepcontrol.wait) before its first global memory access: the next kernel's launch and "
-                 "prologue overlap the last one's tail; same kernels otherwise, same bits"),
+        Knob("pdl", ("plan",), ("off", "exit", "tail"), search=None,
+             doc="programmatic dependent launch of every kernel of the layer (not the EP kernels): each waits for "
+                 "the grid before it (griddepcontrol.wait) before its first global memory access, and is launched "
+                 "once that grid's CTAs have all exited (exit) or, after a persistent GEMM, once each of its CTAs "
+                 "has issued its last tile's loads (tail: its CTAs take the SMs as the GEMM's leave, their launch "
+                 "and prologue under its last tiles); same kernels otherwise, same bits; derived: off"),
         Knob("epi_n", ("plan",), (32, 64), search=None,
              doc="columns per epilogue slice of the forward GEMMs (smem staging before the TMA store); 64 and 32 "
                  "measured within 1%"),

@@ -409,17 +409,19 @@ def _kernel_body(text: str) -> list[str]:
     return lines[start:end]
 
 
+@pytest.mark.parametrize("mode", ["exit", "tail"])
 @pytest.mark.parametrize("name,overrides", [("kimi-k2", {}), ("qwen3-30b-a3b-fp8", {}), ("gpt-oss-120b", {}),
                                             ("kimi-k2", {"schedule": "fused"}), ("qwen3-30b-a3b", {"cluster": 2})])
-def test_pdl_launch_and_wait(name, overrides):
-    """Plan pdl=1 (programmatic dependent launch): every kernel the layer launches (not the EP kernels) is launched
-    with ``use_pdl=True`` and, in its body, waits for the previous grid exactly once, before its first global
-    memory access, and never triggers its dependents early (they launch as its CTAs exit); nothing else changes (the
-    sources with pdl=0 are those with pdl=1 less that line), and pdl=0 emits none of it."""
+def test_pdl_launch_and_wait(name, overrides, mode):
+    """Plan pdl (programmatic dependent launch): every kernel the layer launches (not the EP kernels) is launched
+    with ``use_pdl=True`` and, in its body, waits for the previous grid exactly once, before its first global memory
+    access. pdl=exit never triggers its dependents early (they launch as its CTAs exit); pdl=tail triggers them in
+    the persistent chain GEMMs only, from the loading warps that ran the tile loop, after the loop (and after the
+    wait). Nothing else changes (the sources with pdl=off are these less those lines), and pdl=off emits none of it."""
     spec = load_spec(name)
-    off, on = (emit(solve(spec, "sm_90a", **overrides, pdl=v)) for v in (0, 1))
+    off, on = (emit(solve(spec, "sm_90a", **overrides, pdl=v)) for v in ("off", mode))
     assert set(off.files) == set(on.files)
-    pdl_lines = ("cute.arch.griddepcontrol_wait()",)
+    pdl_lines = ("cute.arch.griddepcontrol_wait()", "cute.arch.griddepcontrol_launch_dependents()", "if busy:")
     for fname, text in on.files.items():
         assert "griddepcontrol" not in off.files[fname] and "use_pdl" not in off.files[fname], fname
         if fname.startswith("ep_"):
@@ -427,32 +429,57 @@ def test_pdl_launch_and_wait(name, overrides):
             continue
         body = _kernel_body(text)
         stripped = [line.strip() for line in body]
-        assert stripped.count("cute.arch.griddepcontrol_wait()") == 1 and "launch_dependents" not in text, fname
+        assert stripped.count("cute.arch.griddepcontrol_wait()") == 1, fname
         assert text.count("use_pdl=True") == 1 and text.count(".launch(") == 1, fname
         wait = stripped.index("cute.arch.griddepcontrol_wait()")
         first = next(i for i, line in enumerate(body) if _GLOBAL_ACCESS.search(line) and not line.lstrip().startswith("#"))
         assert wait < first, (fname, body[first])
-        # the same source but for the header's plan, the wait and the launch option
+        persistent = "TOTAL_TILES" in text or "total_tiles" in text
+        triggers = [i for i, line in enumerate(stripped) if line == "cute.arch.griddepcontrol_launch_dependents()"]
+        if mode == "tail" and persistent and fname != "fused.py":
+            assert len(triggers) == 1 and triggers[0] > wait and stripped[triggers[0] - 1] == "if busy:", fname
+            busy = [line for line in stripped if line.startswith("busy = t < ")]
+            assert len(busy) == 1 and stripped.index(busy[0]) < triggers[0], fname
+        else:
+            assert not triggers and "busy" not in text, fname
+        # the same source but for the header's plan, the pdl lines and the launch option
         plain = [line for line in text.replace(", use_pdl=True", "").splitlines()
-                 if line.strip() not in pdl_lines and not line.startswith("# plan:")]
+                 if line.strip() not in pdl_lines and not line.strip().startswith("busy = t < ")
+                 and not line.startswith("# plan:")]
         assert plain == [line for line in off.files[fname].splitlines() if not line.startswith("# plan:")], fname
+
+
+def test_pdl_plan_values():
+    """pdl is off by default, takes off / exit / tail, and is refused where the templates lack it (sm_100a)."""
+    from mokgen.plan import PlanError
+
+    spec = load_spec("qwen3-30b-a3b")
+    assert solve(spec, "sm_90a").pdl == "off"
+    assert solve(spec, "sm_90a", pdl="tail").pdl == "tail"
+    for bad in (1, "on", True):
+        with pytest.raises(PlanError, match="pdl"):
+            solve(spec, "sm_90a", pdl=bad)
+    with pytest.raises(PlanError, match="pdl"):
+        solve(spec, "sm_100a", pdl="exit")
 
 
 @pytest.mark.slow
 def test_pdl_compiles(tmp_path):
-    """pdl=1: the layer's kernels of each kind (routing, an FP8 quantizer, the training GEMM 1 with its z ring, a
-    weight gradient, the combine) compile for sm_90a with griddepcontrol.wait in their PTX, wgmma still pipelined."""
+    """pdl=tail: the layer's kernels of each kind (routing, an FP8 quantizer, the training GEMM 1 with its z ring, a
+    weight gradient, the combine) compile for sm_90a with griddepcontrol.wait in their PTX, the trigger in the two
+    persistent GEMMs only, wgmma still pipelined."""
     pytest.importorskip("cutlass")
     from mokgen import build
 
-    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", pdl=1)
+    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", pdl="tail")
     keep = {"routing.py", "quant_rows_gather.py", "gemm1_train.py", "wgrad1.py", "combine.py"}
     src = emit(plan)
     art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
                       tmp_path, progress=False)
     for k in keep:
         ptx = (Path(art.dir) / k.replace(".py", ".ptx")).read_text()
-        assert "griddepcontrol.wait;" in ptx and "launch_dependents" not in ptx, k
+        assert "griddepcontrol.wait;" in ptx, k
+        assert ("griddepcontrol.launch_dependents;" in ptx) == (k in ("gemm1_train.py", "wgrad1.py")), k
     adv = build.ptxas_report(art)
     if adv is not None:
         assert not any(adv.values()), adv

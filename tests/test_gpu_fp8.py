@@ -222,12 +222,14 @@ def test_promote_modes_same_bits(case):
 
 
 def test_pdl_same_bits(case):
-    """Programmatic dependent launch (plan pdl) on and off: the FP8 step's quantizers, GEMMs and combines give the
-    same forward and gradient bits (each kernel waits for the previous grid before its first memory access)."""
+    """Programmatic dependent launch (plan pdl) in each mode: the FP8 step's quantizers, GEMMs and combines give the
+    same forward and gradient bits as the plan's own (each kernel waits for the previous grid before its first
+    memory access)."""
     spec, moe, inp = case
-    other = mokgen.compile(spec, overrides={**OVERRIDES, "pdl": 1 - moe.plan.pdl})
-    _assert_same_step_bits(spec, moe, other, inp, 12, f"pdl={other.plan.pdl}")
-    other.check_errors()
+    for mode in [m for m in ("off", "exit", "tail") if m != moe.plan.pdl]:
+        other = mokgen.compile(spec, overrides={**OVERRIDES, "pdl": mode})
+        _assert_same_step_bits(spec, moe, other, inp, 12, f"pdl={mode}")
+        other.check_errors()
 
 
 def test_scale_load_same_bits(case):
