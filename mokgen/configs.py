@@ -56,6 +56,8 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
                 if k in P.WGRAD_DTYPE_KEYS and v == "fp8"]
     if "gemm1_h_quant" in cfg:
         return ["gemm1_h_quant: h's FP8 quantization applies to FP8 specs"]
+    if cfg.get("bwd_x_cols") == "forward":
+        return ["bwd_x_cols: x's column quantization applies to FP8 specs (an FP8 wgrad1)"]
     fused = cfg.get("schedule", "chain") == "fused"
     for which, kernel in ((1, "gemm1"), (2, "gemm2")):
         bn = cfg.get(f"{kernel}_bn")
@@ -130,6 +132,8 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
     # the FP8 weight gradients: asked for, or the default where it applies
     fp8_w = {n for n in ("wgrad1", "wgrad2") if cfg.get(f"{n}_dtype", P.FP8_WGRAD_DEFAULT if
                                                         P.wgrad_default_applies(spec, n, cfg) else "bf16") == "fp8"}
+    if cfg.get("bwd_x_cols") == "forward" and "wgrad1" not in fp8_w:
+        out.append("bwd_x_cols: 'forward' quantizes x's columns for an FP8 wgrad1 (wgrad1_dtype=fp8)")
     for n in ("wgrad1", "wgrad2"):
         if f"{n}_promote" in cfg and n not in fp8_w:
             out.append(f"{n}_promote: the promotion applies to FP8 weight gradients ({n}_dtype=fp8)")

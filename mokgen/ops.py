@@ -278,9 +278,28 @@ class Saved:
     tile_group: torch.Tensor
     meta: torch.Tensor
     slot_pos: torch.Tensor
+    # FP8 wgrad1 with plan bwd_x_cols "forward": the gathered x rows' 128 x 1 column form, quantized by the training
+    # forward's x quantizer (quant_both_gather) beside GEMM 1's rows: e4m3 bytes [H, cap] and scales [cap / 128, H]
+    xt: torch.Tensor | None = None
+    xts: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.z, self.row_src, self.row_w, self.tile_group, self.meta, self.slot_pos)
+        return (self.z, self.row_src, self.row_w, self.tile_group, self.meta, self.slot_pos) + (
+            (self.xt, self.xts) if self.xt is not None else ())
+
+    def op_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The custom ops' fixed form (torch.ops.mokgen.moe_forward_train's outputs after y): xt / xts as empty
+        tensors where this forward did not make them."""
+        base = self.tensors()[:6]
+        if self.xt is not None:
+            return base + (self.xt, self.xts)
+        return base + (self.z.new_empty((0,), dtype=torch.uint8), self.z.new_empty((0,), dtype=torch.float32))
+
+    @classmethod
+    def from_op(cls, z, row_src, row_w, tile_group, meta, slot_pos, xt, xts) -> "Saved":
+        """The inverse of :meth:`op_tensors`."""
+        cols = xt.numel() > 0
+        return cls(z, row_src, row_w, tile_group, meta, slot_pos, xt if cols else None, xts if cols else None)
 
     @property
     def nbytes(self) -> int:
@@ -621,6 +640,8 @@ class CompiledMoE:
         # FP8: GEMM 1 writes h's e4m3 rows and scales itself (plan gemm1.h_quant "epilogue", inference and training
         # GEMM 1 alike)
         self.fp8_h_quant = self.fp8 and fp8_h_quant(plan)
+        # FP8 wgrad1's x columns made by the training forward's x quantizer (plan bwd_x_cols "forward") and saved
+        self.x_cols_fwd = "wgrad1" in self.fp8_wgrads and getattr(backward, "x_cols", "backward") == "forward"
         self._fp8_weights = _Fp8Weights()
         self._mx_weights = _MxWeights()
         self._registry_id = next(_IDS)
@@ -913,12 +934,19 @@ class CompiledMoE:
             call(f, "combine", ys=ws.ys, slot_pos=ws.slot_pos, y=y)
         return self._after_call(st, ws, topk_idx, check, y)
 
-    def _fp8_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None) -> None:
+    def _fp8_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The FP8 forward GEMMs: x's rows gathered and quantized per 1 x 128 into the padded row space, the
         weights' e4m3 copies (:class:`_Fp8Weights`), GEMM 1 -> h (bf16; with ``z``, the training form saving z),
-        h quantized per 1 x 128, GEMM 2 -> ys."""
+        h quantized per 1 x 128, GEMM 2 -> ys. In training with plan bwd_x_cols "forward" the x quantizer also
+        writes the rows' 128 x 1 column form for the FP8 wgrad1 (one read for both), returned as (xt, xts)."""
         f = self._fns
-        xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
+        cols = None
+        if z is not None and self.x_cols_fwd:
+            xq, xs, xt, xts = fp8_ops.quantize_gathered_both(f, x, row_src, meta)
+            cols = (xt, xts)
+        else:
+            xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
         t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
         w1q, w1s = self._fp8_weights.get(f, w1, transpose=t)[:2]
         w2q, w2s = self._fp8_weights.get(f, w2, transpose=t)[:2]
@@ -935,6 +963,7 @@ class CompiledMoE:
         hq, hs = (hq_kw["hq"], hq_kw["hs"]) if hq_kw else fp8_ops.quantize_used_rows(f, h, meta)
         call(f, "gemm2", table="gemm2_fp8", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
              sa=hs, sb=w2s, out=ys, num_ctas=num_ctas)
+        return cols
 
     def _mx_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None) -> None:
         """The MXFP8 forward GEMMs: x's rows gathered and quantized along H into the padded row space
@@ -986,7 +1015,8 @@ class CompiledMoE:
             return ("routing", "fused")
         if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step); h's rows
             # quantized by quant_rows_used unless GEMM 1 does it in its epilogue (plan gemm1.h_quant)
-            fwd = ("routing", "quant_rows_gather", "gemm1_train" if training else "gemm1") + (
+            q_x = "quant_both_gather_x" if (training and self.x_cols_fwd) else "quant_rows_gather"
+            fwd = ("routing", q_x, "gemm1_train" if training else "gemm1") + (
                 () if self.fp8_h_quant else ("quant_rows_used",)) + ("gemm2", "combine")
         elif self.mx:   # likewise quant_mx_w1 / quant_mx_w2 (and the backward's quant_mx_w*_cols)
             fwd = ("routing", "quant_mx_gather", "gemm1_train" if training else "gemm1", "quant_mx_used", "gemm2",
@@ -1016,8 +1046,8 @@ class CompiledMoE:
         dgrad2 = q_dz2 + ("dgrad2", "combine_dx")
         wgrad2 = (("quant_cols_used_sa",) if "wgrad2" in w8 else ("quant_mx_cols_gather_dO", "quant_mx_sa_cols")
                   if "wgrad2" in wm else ()) + ("wgrad2",)
-        wgrad1 = (("quant_cols_gather_x",) if "wgrad1" in w8 else ("quant_mx_dz_cols", "quant_mx_cols_gather_x")
-                  if "wgrad1" in wm else ("gather_x",)) + ("wgrad1",)
+        wgrad1 = ((() if self.x_cols_fwd else ("quant_cols_gather_x",)) if "wgrad1" in w8
+                  else ("quant_mx_dz_cols", "quant_mx_cols_gather_x") if "wgrad1" in wm else ("gather_x",)) + ("wgrad1",)
         if self._bwd_streams == 2:   # host order: the side stream's weight gradients are launched first
             return fwd + head + wgrad2 + wgrad1 + dgrad2
         return fwd + head + wgrad2 + dgrad2 + wgrad1
@@ -1076,8 +1106,10 @@ class CompiledMoE:
             b1_, b2_ = (b1 if b1 is not None else dummy), (b2 if b2 is not None else dummy)
             ys = torch.empty((cap, c.hidden), dtype=torch.bfloat16, device=dev)
             if self.fp8:
-                self._fp8_gemms(a, w1, w2, b1_, b2_, sv.row_src, sv.row_w, sv.tile_group, sv.meta, h, ys, num_ctas,
-                                z=sv.z)
+                cols = self._fp8_gemms(a, w1, w2, b1_, b2_, sv.row_src, sv.row_w, sv.tile_group, sv.meta, h, ys,
+                                       num_ctas, z=sv.z)
+                if cols is not None:
+                    sv.xt, sv.xts = cols
             elif self.mx:
                 self._mx_gemms(a, w1, w2, b1_, b2_, sv.row_src, sv.row_w, sv.tile_group, sv.meta, h, ys, num_ctas,
                                z=sv.z)
@@ -1193,8 +1225,10 @@ class CompiledMoE:
             def x_rows_and_wgrad1() -> None:   # buf: the x rows, once wgrad2 has read the dO rows from it
                 kernel = "wgrad1" if dw1 is not None else "wgrad1_acc"
                 o = dw1 if dw1 is not None else w1_main_grad
-                if "wgrad1" in w8:   # the x rows' columns in e4m3 (128 x 1 tiles), transposed; dz's made above
-                    xt, xs = fp8_ops.quantize_gathered_cols(f, x, sv.row_src, sv.meta)
+                if "wgrad1" in w8:   # the x rows' columns in e4m3 (128 x 1 tiles), transposed (made by the forward
+                    # with plan bwd_x_cols "forward"); dz's made above
+                    xt, xs = ((sv.xt, sv.xts) if sv.xt is not None
+                              else fp8_ops.quantize_gathered_cols(f, x, sv.row_src, sv.meta))
                     call(f, kernel, table=kernel + "_fp8", a=dzt, sa=dzts, b=xt, sb=xs, group_start=group_start,
                          out=o, num_ctas=num_ctas)
                     return
@@ -1293,9 +1327,10 @@ _FWD_SCHEMA = ("(Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tenso
 # main_grad tensors ride along (unused by the forward) so that the backward can add into them
 _TRAIN_SCHEMA = ("(Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2, "
                  "Tensor? w1_main_grad, Tensor? w2_main_grad, int moe_id) "
-                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dy, Tensor x, Tensor topk_weight, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2, "
                "Tensor z, Tensor row_src, Tensor row_w, Tensor tile_group, Tensor meta, Tensor slot_pos, "
+               "Tensor xt, Tensor xts, "
                "Tensor(a!)? w1_main_grad, Tensor(b!)? w2_main_grad, int moe_id) "
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
@@ -1312,7 +1347,7 @@ def _moe_forward_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, moe_id):
 
 def _moe_forward_train_op(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id):
     y, saved = _lookup(moe_id).forward_train(x, topk_idx, topk_weight, w1, w2, b1, b2)
-    return (y, *saved.tensors())
+    return (y, *saved.op_tensors())
 
 
 def _moe_forward_train_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe_id):
@@ -1321,22 +1356,25 @@ def _moe_forward_train_fake(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_gr
     T = x.shape[0]
     cap = (T * (c.topk + c.shared_experts) + c.groups * (moe.bm - 1) + moe.bm - 1) // moe.bm * moe.bm
     e = x.new_empty
+    cols = moe.x_cols_fwd and T > 0   # Saved.xt / xts (empty where the forward does not make them)
     return (e((T, c.hidden), dtype=torch.bfloat16), e((cap, 2 * c.ffn), dtype=torch.bfloat16),
             e((cap,), dtype=torch.int32), e((cap,), dtype=torch.float32), e((cap // moe.bm,), dtype=torch.int32),
-            e((4,), dtype=torch.int32), e((T, c.topk + c.shared_experts), dtype=torch.int32))
+            e((4,), dtype=torch.int32), e((T, c.topk + c.shared_experts), dtype=torch.int32),
+            e((c.hidden, cap) if cols else (0,), dtype=torch.uint8),
+            e((cap // 128, c.hidden) if cols else (0,), dtype=torch.float32))
 
 
-def _moe_backward_op(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos,
+def _moe_backward_op(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, xt, xts,
                      w1_main_grad, w2_main_grad, moe_id):
-    g = _lookup(moe_id).backward(dy, Saved(z, row_src, row_w, tile_group, meta, slot_pos), x, topk_weight, w1, w2,
-                                 b1, b2, w1_main_grad=w1_main_grad, w2_main_grad=w2_main_grad)
+    g = _lookup(moe_id).backward(dy, Saved.from_op(z, row_src, row_w, tile_group, meta, slot_pos, xt, xts), x,
+                                 topk_weight, w1, w2, b1, b2, w1_main_grad=w1_main_grad, w2_main_grad=w2_main_grad)
     empty = x.new_empty((0,), dtype=torch.float32)
     return (g.x, g.topk_weight, g.w1 if g.w1 is not None else empty.clone(),
             g.w2 if g.w2 is not None else empty.clone(), g.b1 if g.b1 is not None else empty.clone(),
             g.b2 if g.b2 is not None else empty.clone())
 
 
-def _moe_backward_fake(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos,
+def _moe_backward_fake(dy, x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, xt, xts,
                        w1_main_grad, w2_main_grad, moe_id):
     def like(t, absent):
         return x.new_empty((0,), dtype=torch.float32) if absent else torch.empty_like(t)
@@ -1355,10 +1393,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, *_unused):
-    x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, mg1, mg2 = ctx.saved_tensors
+    x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, xt, xts, mg1, mg2 = ctx.saved_tensors
     dx, dtw, dw1, dw2, db1, db2 = torch.ops.mokgen.moe_backward(
-        dy.contiguous(), x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, mg1, mg2,
-        ctx.moe_id)
+        dy.contiguous(), x, topk_weight, w1, w2, b1, b2, z, row_src, row_w, tile_group, meta, slot_pos, xt, xts, mg1,
+        mg2, ctx.moe_id)
     return (dx, None, dtw, None if ctx.main_grad[0] else dw1, None if ctx.main_grad[1] else dw2,
             db1 if ctx.has_b1 else None, db2 if ctx.has_b2 else None, None, None, None)
 

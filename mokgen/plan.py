@@ -22,8 +22,8 @@ from .arch import ARCHS, Arch  # the one arch table (re-exported: plan.ARCHS, pl
 from .plan_types import (  # the plan's types and shared vocabulary (re-exported: plan.Plan, plan.PlanError, ...)
     BACKWARD_GEMMS, BARRIER_BYTES, BM, CONSUMER_WGS, CONSUMERS, ELEM_BYTES, EPI_BUFFERS, EPI_M, EPI_N,
     MAX_STAGES, MIN_STAGES, PRODUCER_REGS, SCHEDULES, WGRAD_DTYPE_KEYS, Z_CHUNK, BackwardPlan, GemmPlan, Plan,
-    PlanError, SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct, _settle_pdl, _settle_streams,
-    _tile_m, fused_tiles_ok, get_arch,
+    PlanError, SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct,
+    _settle_pdl, _settle_streams, _settle_x_cols, _tile_m, fused_tiles_ok, get_arch,
 )
 from .sm100 import plan as _sm100_plan  # the sm_100a plan rules (ARCH_RULES)
 from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
@@ -707,10 +707,12 @@ def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
     if (own := _own_rules(arch)) is not None:   # e.g. sm_100a: its kernels' form
         return own.solve(spec, arch, overrides, _shared_solver())
     streams = overrides.get("bwd_streams")
-    rest = {k: v for k, v in overrides.items() if k not in epi and k not in ("bwd_streams", "gemm1_z_store", "pdl")}
+    rest = {k: v for k, v in overrides.items()
+            if k not in epi and k not in ("bwd_streams", "bwd_x_cols", "gemm1_z_store", "pdl")}
     plan = _settle_epi_store(_solve_dtype(spec, arch, **rest), epi, given=rest)
     plan = _settle_z_store(plan, overrides.get("gemm1_z_store"), "gemm1_a_load" in overrides)
-    return _settle_pdl(_settle_streams(plan, streams), overrides.get("pdl"))
+    plan = _settle_x_cols(_settle_streams(plan, streams), overrides.get("bwd_x_cols"))
+    return _settle_pdl(plan, overrides.get("pdl"))
 
 
 # ---- the archs with plan rules of their own --------------------------------------------------------------------

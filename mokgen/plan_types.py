@@ -59,6 +59,7 @@ SCHEDULES = _SPACE.values("schedule")
 #   wgrad2  dW2[g] = dOgᵀ . (s a)   H x I  per group, K = the group's rows
 BACKWARD_GEMMS = ("dgrad1", "dgrad2", "wgrad1", "wgrad2")
 BWD_STREAMS = _SPACE.values("streams", "bwd")  # BackwardPlan.streams (override bwd_streams)
+X_COLS = _SPACE.values("x_cols", "bwd")  # BackwardPlan.x_cols (override bwd_x_cols)
 PDL = _SPACE.values("pdl")  # Plan.pdl (override pdl)
 WGRAD_DTYPE_KEYS = ("wgrad1_dtype", "wgrad2_dtype")
 
@@ -171,16 +172,26 @@ class BackwardPlan:
     # the training forward's GEMM 1 (gemm1_train) where it differs from the inference GEMM 1 (plan.gemm1): its A
     # rows by TMA from the gather kernel's rows and z through the stage ring (see _settle_z_store); None: as gemm1
     gemm1_train: GemmPlan | None = None
+    # x's 128 x 1 column form for an FP8 wgrad1: quantized in the backward ("backward": quant_cols_gather) or by the
+    # training forward's x quantizer with its 1 x 128 rows, from one read, and saved ("forward": quant_both_gather)
+    x_cols: str = "backward"
 
     def __post_init__(self) -> None:
         if isinstance(self.streams, bool) or self.streams not in BWD_STREAMS:
             raise PlanError(f"plan.backward.streams: must be one of {', '.join(map(str, BWD_STREAMS))}, "
                             f"got {self.streams!r}")
+        if self.x_cols not in X_COLS:
+            raise PlanError(f"plan.backward.x_cols: must be one of {', '.join(X_COLS)}, got {self.x_cols!r}")
+        if self.x_cols == "forward" and self.wgrad1.elem_bytes != 1:
+            raise PlanError("plan.bwd_x_cols: 'forward' quantizes x's columns for an FP8 wgrad1 (an FP8 spec with "
+                            "wgrad1_dtype fp8); this wgrad1 reads bf16 rows")
 
     def to_dict(self) -> dict[str, Any]:
         d = {**{n: getattr(self, n).to_dict() for n in BACKWARD_GEMMS}, "streams": self.streams}
         if self.gemm1_train is not None:
             d["gemm1_train"] = self.gemm1_train.to_dict()
+        if self.x_cols != "backward":   # plans from before the knob keep their dicts (and cache keys)
+            d["x_cols"] = self.x_cols
         return d
 
     @classmethod
@@ -188,7 +199,8 @@ class BackwardPlan:
         d = _fields(cls, data, "plan.backward")
         g1t = d.get("gemm1_train")
         return cls(**{n: GemmPlan.from_dict(d[n]) for n in BACKWARD_GEMMS}, streams=d.get("streams", 1),
-                   gemm1_train=GemmPlan.from_dict(g1t) if g1t is not None else None)
+                   gemm1_train=GemmPlan.from_dict(g1t) if g1t is not None else None,
+                   x_cols=d.get("x_cols", "backward"))
 
 
 def fused_tiles_ok(spec: Spec, g1: GemmPlan, g2: GemmPlan) -> bool:
@@ -335,6 +347,19 @@ def _settle_streams(plan: Plan, streams: Any) -> Plan:
         raise PlanError(f"plan.bwd_streams: must be one of {', '.join(map(str, BWD_STREAMS))}, got {streams!r}")
     return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, streams=streams),
                                notes=plan.notes + (f"overrides: bwd_streams={streams}",))
+
+
+def _settle_x_cols(plan: Plan, x_cols: Any) -> Plan:
+    """Where an FP8 wgrad1's x columns are quantized: the ``bwd_x_cols`` override (checked by BackwardPlan), else
+    the backward (BackwardPlan's default)."""
+    if x_cols is None:
+        return plan
+    if plan.backward is None:
+        raise PlanError("plan.bwd_x_cols: this plan has no backward kernels")
+    if x_cols not in X_COLS:
+        raise PlanError(f"plan.bwd_x_cols: must be one of {', '.join(X_COLS)}, got {x_cols!r}")
+    return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, x_cols=x_cols),
+                               notes=plan.notes + (f"overrides: bwd_x_cols={x_cols}",))
 
 
 def _settle_pdl(plan: Plan, pdl: Any) -> Plan:

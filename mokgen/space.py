@@ -50,7 +50,7 @@ BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1
                         "dgrad2_epi_store", "dgrad2_raster_group",
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
-                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams",
+                        "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams", "bwd_x_cols",
                         "wgrad1_dtype", "wgrad2_dtype", "wgrad1_promote", "wgrad2_promote")
 
 
@@ -111,6 +111,11 @@ SM90 = ArchSpace(
              doc="the backward's launch streams: 2 runs the weight gradients (and the x-row gather) on a second "
                  "stream beside dgrad2 and the combine, filling each kernel's last wave (one more [rows, hidden] "
                  "bf16 buffer); same kernels, same bits"),
+        Knob("x_cols", ("bwd",), ("backward", "forward"), search=("backward", "forward"),
+             doc="FP8 weight gradient wgrad1: x's 128 x 1 column form quantized in the backward from a second "
+                 "gathered read (quant_cols_gather, backward) or in the training forward by the x quantizer that "
+                 "writes GEMM 1's 1 x 128 rows (quant_both_gather, one read for both; the column form is saved for "
+                 "the backward: rows x hidden bytes more); same bits; derived: backward"),
         Knob("z_load", ("dgrad1",), ("tma", "direct", "pipe"), search=("tma", "direct"),
              doc="dgrad1's z: through the stage ring by TMA (dz stored from there), or global loads by the consumer "
                  "threads in chunks of z_chunk pairs (direct: a chunk's loads, then its math and stores; pipe: the "

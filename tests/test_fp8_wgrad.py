@@ -397,3 +397,64 @@ def test_fp8_wgrads_empty_experts_and_tiny_T(T):
     y, sv = m8.forward_train(x, idx, wt, w1, w2)
     m8.backward(dy, sv, x, wt, w1, w2, w1_main_grad=mg1, w2_main_grad=torch.zeros(w2.shape))
     assert bool((mg1[[1, 3]] == 0.25).all())
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_x_cols_in_the_forward_same_bits(streams):
+    """Plan bwd_x_cols="forward": the training forward's x quantizer is quant_both_gather (GEMM 1's 1 x 128 rows and
+    the FP8 wgrad1's 128 x 1 columns from one read), the forward saves the column form, and the backward launches
+    no quant_cols_gather: the launches are launch_sequence's, y and every gradient have the bits of the default
+    (the columns quantized in the backward), and the saved bytes grow by exactly the column form. Through the
+    autograd op too (the custom op carries the columns to the backward)."""
+    import mokgen
+
+    spec = _spec()
+    x, idx, wt, w1, w2, _, _ = _inputs(spec, 5)
+    dy = torch.randn(spec.tokens, H, generator=torch.Generator().manual_seed(9)).bfloat16()
+    base, fwd = (P.solve(spec, bwd_streams=streams, **kw) for kw in ({}, dict(bwd_x_cols="forward")))
+    assert (base.backward.x_cols, fwd.backward.x_cols) == ("backward", "forward")
+    m0, calls = _moe(spec, base), []
+    m1 = _moe(spec, fwd, calls=calls)
+    m1(x, idx, wt, w1, w2)   # the weights' e4m3 copies made outside the counted step
+    y0, s0 = m0.forward_train(x, idx, wt, w1, w2)
+    g0 = m0.backward(dy, s0, x, wt, w1, w2)
+    del calls[:]
+    y1, s1 = m1.forward_train(x, idx, wt, w1, w2)
+    g1 = m1.backward(dy, s1, x, wt, w1, w2)
+    seq = m1.launch_sequence()
+    assert seq[1] == "quant_both_gather_x" and "quant_cols_gather_x" not in seq and "quant_rows_gather" not in seq
+    assert m0.launch_sequence()[1] == "quant_rows_gather" and "quant_cols_gather_x" in m0.launch_sequence()
+    phase = {"quant_both_gather_x": "quant_both_gather", "quant_both_gather_dO": "quant_both_gather",
+             "combine_dx": "combine", "quant_cols_used_sa": "quant_cols_used", "quant_both_used_dz": "quant_both_used"}
+    assert calls == [phase.get(p, p) for p in seq], (calls, seq)
+    assert s0.xt is None and s1.xt is not None
+    cap = s1.z.shape[0]
+    assert (tuple(s1.xt.shape), tuple(s1.xts.shape)) == ((H, cap), (cap // 128, H))
+    assert s1.nbytes == s0.nbytes + H * cap + cap // 128 * H * 4
+    assert torch.equal(y0, y1)
+    for name in ("x", "topk_weight", "w1", "w2"):
+        assert torch.equal(getattr(g0, name), getattr(g1, name)), name
+    # the autograd op: the same gradients through moe_forward
+    leaves = [t.clone().requires_grad_(True) for t in (x, wt, w1, w2)]
+    y = mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], moe=m1)
+    y.backward(dy)
+    assert torch.equal(y.detach(), y1)
+    for t, name in zip(leaves, ("x", "topk_weight", "w1", "w2")):
+        assert torch.equal(t.grad, getattr(g1, name).to(t.grad.dtype)), name
+
+
+def test_x_cols_plan_errors():
+    """bwd_x_cols is an FP8-wgrad1 choice: refused with a BF16 wgrad1 or a BF16 spec, and not offered to tune there."""
+    from mokgen import configs as C
+
+    spec = _spec()
+    with pytest.raises(P.PlanError, match=r"bwd_x_cols.*FP8 wgrad1"):
+        P.solve(spec, bwd_x_cols="forward", wgrad1_dtype="bf16")
+    with pytest.raises(P.PlanError, match=r"bwd_x_cols: must be one of backward, forward"):
+        P.solve(spec, bwd_x_cols="both")
+    bf16 = Spec(name="b", hidden=H, ffn=I, experts=E, topk=K, tokens=64)
+    with pytest.raises(P.PlanError, match=r"bwd_x_cols"):
+        P.solve(bf16, bwd_x_cols="forward")
+    assert {"bwd_x_cols": "forward"} in list(C.enumerate_backward_configs(spec, axes=("bwd_x_cols",)))
+    assert list(C.enumerate_backward_configs(bf16, axes=("bwd_x_cols",))) == []
+    assert C.check_config(spec, "sm_90a", {"bwd_x_cols": "forward", "wgrad1_dtype": "bf16"})

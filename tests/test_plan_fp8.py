@@ -180,9 +180,10 @@ def test_fp8_tune_space(name):
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
-                                                 "bwd_streams", "dgrad1_bn", "dgrad2_bn", "dgrad1_raster_group",
-                                                 "dgrad2_raster_group")) for c in bwd)
+                                                 "bwd_streams", "bwd_x_cols", "dgrad1_bn", "dgrad2_bn",
+                                                 "dgrad1_raster_group", "dgrad2_raster_group")) for c in bwd)
     assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
+    assert {"bwd_x_cols": "forward"} in bwd   # x's FP8 columns from the forward's x quantizer (FP8 wgrad1)
     assert {"dgrad2_bn": 128} in bwd   # the default is 256 (plan.FP8_WIDE_DEFAULT)
     assert ({"dgrad1_bn": 256} in bwd) == (spec.ffn % 256 == 0)   # opt-in, where 256 divides ffn
     for cfg in fwd + bwd:
