@@ -232,6 +232,19 @@ def test_pdl_same_bits(case):
         other.check_errors()
 
 
+def test_x_cols_same_bits(case):
+    """x's 128 x 1 columns for the FP8 wgrad1 made by the training forward's x quantizer (plan bwd_x_cols "forward":
+    quant_both_gather, saved) or in the backward (quant_cols_gather): the same forward and gradient bits."""
+    spec, moe, inp = case
+    if "wgrad1" not in moe.fp8_wgrads:
+        pytest.skip("this plan's wgrad1 reads bf16 rows")
+    mode = "forward" if moe.plan.backward.x_cols == "backward" else "backward"
+    other = mokgen.compile(spec, overrides={**OVERRIDES, "bwd_x_cols": mode})
+    assert other.x_cols_fwd == (mode == "forward")
+    _assert_same_step_bits(spec, moe, other, inp, 13, f"bwd_x_cols={mode}")
+    other.check_errors()
+
+
 def test_scale_load_same_bits(case):
     """Where the FP8 GEMMs read their scales (plan scale_load: "global" = the consumer threads' global loads,
     "stage" = a producer warp's copies into a shared-memory ring) changes no product and no order: the forward
