@@ -1716,6 +1716,9 @@ def _explain_backward(plan: Plan) -> list[str]:
         extra = ""
         if name == "dgrad1":
             extra = f"; z {g.z_load} (chunk {g.z_chunk})"
+        if name == "wgrad1" and g.elem_bytes == 1:   # where x's 128 x 1 columns come from (plan bwd_x_cols)
+            extra = ("; x's columns from the training forward's x quantizer (quant_both_gather), saved"
+                     if b.x_cols == "forward" else "; x's columns quantized here (quant_cols_gather)")
         lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}",
                   f"    tile {g.tile_m} x {g.bn} ({g.consumer}), K step {g.bk}, stages {g.stages} "
                   f"({g.smem_bytes()} B smem), raster {g.raster_group}, output {out}{extra}{main_grad}"]

@@ -457,4 +457,6 @@ def test_x_cols_plan_errors():
         P.solve(bf16, bwd_x_cols="forward")
     assert {"bwd_x_cols": "forward"} in list(C.enumerate_backward_configs(spec, axes=("bwd_x_cols",)))
     assert list(C.enumerate_backward_configs(bf16, axes=("bwd_x_cols",))) == []
+    assert "x's columns quantized here (quant_cols_gather)" in P.explain(P.solve(spec))
+    assert "x's columns from the training forward's x quantizer" in P.explain(P.solve(spec, bwd_x_cols="forward"))
     assert C.check_config(spec, "sm_90a", {"bwd_x_cols": "forward", "wgrad1_dtype": "bf16"})
