@@ -213,3 +213,27 @@ def test_fp8_rows_get_their_ratio_to_bf16():
     assert recs[2]["speedup_vs_bf16"] == pytest.approx(1.5) and recs[2]["fwd_speedup_vs_bf16"] == pytest.approx(1.5)
     assert recs[3]["speedup_vs_bf16"] == pytest.approx(2.0) and "fwd_speedup_vs_bf16" not in recs[3]
     assert all("speedup_vs_bf16" not in r for r in (recs[0], recs[1], recs[4]))
+
+
+def test_interleaved_rounds_voids_a_failing_implementation():
+    """The benchmarks' shared rounds 2..N: every implementation timed once per round, in turn; one that raises in a
+    round is voided with the round named and timed no more, the others go on; the log hook sees every round."""
+    calls, voided, logged = [], {}, []
+    n = {"bad": 0}
+
+    def time_once(impl, fn):
+        calls.append(impl)
+        fn()
+
+    def bad():
+        n["bad"] += 1
+        if n["bad"] == 2:
+            raise RuntimeError("kernel timeout\nmore")
+
+    timed = {"a": lambda: None, "bad": bad, "c": lambda: None}
+    BF.interleaved_rounds(timed, 4, time_once, voided.__setitem__, logged.append)
+    assert calls == ["a", "bad", "c", "a", "bad", "c", "a", "c"]
+    assert voided == {"bad": "round 3: RuntimeError: kernel timeout"} and list(timed) == ["a", "c"]
+    assert logged == [1, 2, 3]
+    BF.interleaved_rounds(timed, 1, time_once, voided.__setitem__)   # one round: nothing more to time
+    assert len(calls) == 8

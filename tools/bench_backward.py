@@ -423,17 +423,20 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
 
     # rounds 2..: every implementation timed again, interleaved (clock drift under the power cap spreads over
     # all of them); each one's times are the medians of its rounds
-    for r in range(1, rounds):
-        for impl, (fwd, step) in list(timed.items()):
-            try:
-                results[impl]["fwd_rounds"].append(timer(fwd))
-                results[impl]["rounds"].append(timer(step))
-            except Exception as e:  # noqa: BLE001 - a failure in a later round voids that implementation
-                results[impl] = dict(error=f"round {r + 1}: {_short_error(e)}")
-                del timed[impl]
-            finally:
-                clear_grads()
-        _log(f"[{shape}] round {r + 1}: " + "  ".join(f"{i} {results[i]['rounds'][-1]:.4f}" for i in timed))
+    def time_once(impl, fns):
+        fwd, step = fns
+        try:
+            results[impl]["fwd_rounds"].append(timer(fwd))
+            results[impl]["rounds"].append(timer(step))
+        finally:
+            clear_grads()
+
+    def void(impl, msg):
+        results[impl] = dict(error=msg)
+
+    BF.interleaved_rounds(timed, rounds, time_once, void,
+                          lambda r: _log(f"[{shape}] round {r + 1}: "
+                                         + "  ".join(f"{i} {results[i]['rounds'][-1]:.4f}" for i in timed)))
     for impl in timed:
         results[impl]["fb_ms"] = _median(results[impl]["rounds"])
         results[impl]["fwd_ms"] = _median(results[impl]["fwd_rounds"])

@@ -345,6 +345,23 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
 
+def interleaved_rounds(timed: dict[str, Any], rounds: int, time_once: Callable[[str, Any], None],
+                       fail: Callable[[str, str], None], log: Callable[[int], None] | None = None) -> None:
+    """Rounds 2..``rounds`` of a timing: each round times every implementation left in ``timed`` once, in turn
+    (``time_once(impl, fn)`` appends its times), so that drift of the clock over the run (the power cap,
+    temperature) spreads over all of them. One that raises is voided (``fail(impl, "round N: ...")``) and leaves
+    ``timed``; ``log(round)`` after each round. The benchmarks record each one's median over its rounds."""
+    for r in range(1, rounds):
+        for impl, fn in list(timed.items()):
+            try:
+                time_once(impl, fn)
+            except Exception as e:  # noqa: BLE001 - a failure in a later round voids that implementation
+                fail(impl, f"round {r + 1}: {_short_error(e)}")
+                del timed[impl]
+        if log is not None:
+            log(r)
+
+
 def parse_variants(text: str | None) -> list[dict[str, Any]]:
     """``"schedule=fused;gemm1_a_load=tma,schedule=chain"`` -> [{"schedule": "fused"}, ...]: ';' separates
     variants, ',' the overrides of one variant."""
@@ -442,19 +459,15 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: Timer, devic
             results["dense_layer_mm"] = dict(ms=None, err=None, det=None, error=_short_error(e))
     if "torch_loop" in impls:
         run("torch_loop", lambda: B.torch_loop(*args, **kw), check=True, reps=loop_reps, warmup=1)
-    # rounds 2..: every implementation timed again, interleaved, so that drift of the clock over the run (the
-    # power cap, temperature) spreads over all of them; each one's median is the median of its rounds
-    for r in range(1, rounds):
-        for impl, fn in list(timed.items()):
-            try:
-                results[impl]["rounds"].append(timer(fn))
-            except Exception as e:  # noqa: BLE001 - a failure in a later round voids that implementation
-                results[impl] = dict(ms=None, err=None, det=None, error=f"round {r + 1}: {_short_error(e)}")
-                del timed[impl]
-        _log(f"[{shape}] round {r + 1}: " + "  ".join(f"{i} {results[i]['rounds'][-1]:.4f}" for i in timed))
+    # rounds 2..: every implementation timed again, interleaved; each one's median is the median of its rounds
+    def void(impl, msg):
+        results[impl] = dict(ms=None, err=None, det=None, error=msg)
+
+    interleaved_rounds(timed, rounds, lambda impl, fn: results[impl]["rounds"].append(timer(fn)), void,
+                       lambda r: _log(f"[{shape}] round {r + 1}: "
+                                      + "  ".join(f"{i} {results[i]['rounds'][-1]:.4f}" for i in timed)))
     for impl in timed:
-        rs = sorted(results[impl]["rounds"])
-        results[impl]["ms"] = rs[len(rs) // 2] if len(rs) % 2 else 0.5 * (rs[len(rs) // 2 - 1] + rs[len(rs) // 2])
+        results[impl]["ms"] = statistics.median(results[impl]["rounds"])
     for name, moe in keep:  # a kernel timeout flagged during the later rounds voids that layer's numbers
         try:
             moe.check_errors()

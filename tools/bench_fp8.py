@@ -127,17 +127,11 @@ class _Runner:
             self.fail(impl, e)
 
     def more_rounds(self):
-        for r in range(1, self.rounds):
-            for impl, fn in list(self.timed.items()):
-                try:
-                    self.results[impl]["rounds"].append(self.timer(fn))
-                except Exception as e:  # noqa: BLE001
-                    self.fail(impl, RuntimeError(f"round {r + 1}: {_short_error(e)}"))
-                    del self.timed[impl]
+        BF.interleaved_rounds(self.timed, self.rounds,
+                              lambda impl, fn: self.results[impl]["rounds"].append(self.timer(fn)),
+                              lambda impl, msg: self.fail(impl, RuntimeError(msg)))
         for impl in self.timed:
-            rs = sorted(self.results[impl]["rounds"])
-            n = len(rs)
-            self.results[impl]["ms"] = rs[n // 2] if n % 2 else 0.5 * (rs[n // 2 - 1] + rs[n // 2])
+            self.results[impl]["ms"] = statistics.median(self.results[impl]["rounds"])
 
 
 def _finish(ctx, shape, dims, flops, res, order, timer) -> list[dict[str, Any]]:
@@ -343,14 +337,14 @@ def bench_backward_shape(spec, ctx, timer, device, seed: int, torchao=(False, "n
             _log(f"[{shape}] fwd+bwd {impl}: FAILED {_short_error(e)}")
             if os.environ.get("MOKGEN_BENCH_TRACEBACK"):
                 traceback.print_exc()
-    for r in range(1, rounds):   # interleaved: every implementation once per round
-        for impl, fn in list(timed.items()):
-            try:
-                with torch.enable_grad():
-                    res[impl]["rounds"].append(timer(lambda fn=fn: step(fn)))
-            except Exception as e:  # noqa: BLE001
-                res[impl] = dict(ms=None, det=None, errs=None, error=f"round {r + 1}: {_short_error(e)}")
-                del timed[impl]
+    def time_once(impl, fn):
+        with torch.enable_grad():
+            res[impl]["rounds"].append(timer(lambda: step(fn)))
+
+    def void(impl, msg):
+        res[impl] = dict(ms=None, det=None, errs=None, error=msg)
+
+    BF.interleaved_rounds(timed, rounds, time_once, void)
     for impl in timed:
         res[impl]["ms"] = statistics.median(res[impl]["rounds"])
     base = res.get("torch_grouped_mm", {}).get("ms")
