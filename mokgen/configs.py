@@ -89,8 +89,9 @@ def check_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]:
     return _check_backward_config(spec, arch, cfg)
 
 
-# What the FP8 form fixes (mokgen.plan.fp8_gemm): tile N 128, cooperative consumers, cluster 1, A by TMA tiles,
-# the chain schedule, and the dgrads' tiles likewise; these overrides do not apply to an FP8 spec.
+# What the FP8 form fixes (mokgen.plan.fp8_gemm): tile N 128, cooperative consumers, cluster 1, A by TMA tiles
+# (GEMM 1's own gather an override of its own: plan.FP8_A_LOADS), the chain schedule, and the dgrads' tiles
+# likewise; these overrides do not apply to an FP8 spec.
 _FP8_FIXED = {"bn": "tile N 128", "consumer": "cooperative tiles", "a_load": "A by TMA tiles",
               "epi_n": "the forward epilogue staging"}
 
@@ -115,6 +116,11 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
                                                                                 cfg.get("cluster", 1)) != 1:
                 out.append(f"{key}: {cfg[key]} columns need cluster 1, got "
                            f"{cfg.get(f'{kernel}_cluster', cfg.get('cluster', 1))}")
+        elif key == "gemm1_a_load":   # TMA tiles of quant_rows_gather's rows, or GEMM 1's own gather (plan)
+            if cfg[key] not in P.FP8_A_LOADS:
+                out.append(f"{key}: the FP8 GEMM 1 reads its rows by {' or '.join(P.FP8_A_LOADS)}, got {cfg[key]!r}")
+            elif cfg[key] == "gather" and (why := P.fp8_gather_problem(spec, P.solve(spec, arch).gemm1)):
+                out.append(f"{key}: gather {why}")
         elif kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):

@@ -213,9 +213,11 @@ def _fp8_params(what: str, g: Any, *, bn: int, n_out: int, k_dim: int, parts: in
                         f"{g.bk}, K {k_dim}")
     if k_stride != 1:
         raise EmitError(f"{what}: FP8 wgmma reads K-major operands only (W needs a transposed copy)")
-    if g.consumer != "cooperative" or a_gather:
-        raise EmitError(f"{what}: the FP8 form runs cooperative consumers and TMA-loaded A "
-                        f"(got {g.consumer}, a_load {g.a_load})")
+    if g.consumer != "cooperative":
+        raise EmitError(f"{what}: the FP8 form runs cooperative consumers (got {g.consumer})")
+    if a_gather and k_dim % g.bk:   # a row's last K block would read past the row (TMA tiles zero-fill it)
+        raise EmitError(f"{what}.a_load: the FP8 cp.async gather reads whole 128-wide K blocks of each row, so K must "
+                        f"be a multiple of 128, got {k_dim}")
     # mma_split 2: two 128-column wgmma halves of one part's tile, or GEMM 1's two parts of 128 columns each
     if g.mma_split not in (1, 2) or (g.mma_split == 2 and (g.promote not in FP8_SPLIT_PROMOTES or bn % 2
                                                             or (parts == 2 and bn != 128) or parts > 2)):
@@ -348,11 +350,11 @@ FP8_QUANT = {
 
 
 def fp8_quant_kernels(plan: Plan) -> tuple[str, ...]:
-    """The FP8 quantizers an FP8 plan's layer launches (mokgen.kernels.FP8_LAYER_KERNELS, and FP8_WGRAD_KERNELS when
+    """The FP8 quantizers an FP8 plan's layer launches (mokgen.kernels.fp8_layer_kernels, and FP8_WGRAD_KERNELS when
     a training plan runs a weight gradient in FP8): what :func:`emit` renders for it."""
     backward = plan.backward if plan.schedule == "chain" else None
     wgrad8 = backward is not None and any(getattr(backward, n).elem_bytes == 1 for n in ("wgrad1", "wgrad2"))
-    return kernels.FP8_LAYER_KERNELS + (kernels.FP8_WGRAD_KERNELS if wgrad8 else ())
+    return kernels.fp8_layer_kernels(plan) + (kernels.FP8_WGRAD_KERNELS if wgrad8 else ())
 
 
 def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: jinja2.Environment | None = None,

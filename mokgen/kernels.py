@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "FP8_LAYER_KERNELS", "FP8_WGRAD_KERNELS", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "MX_QUANT_WGRAD", "MX_WGRAD_QUANT", "mx_wgrads", "mx_wgrad_quantizers", "names", "table_key", "call", "bind"]
+__all__ = ["Arg", "ARGS", "SYMBOLS", "FP8_QUANT_KERNELS", "FP8_LAYER_KERNELS", "FP8_GATHER_KERNELS", "FP8_WGRAD_KERNELS", "fp8_a_gather", "fp8_layer_kernels", "MX_QUANT_KERNELS", "MX_QUANT_BACKWARD", "MX_QUANT_WGRAD", "MX_WGRAD_QUANT", "mx_wgrads", "mx_wgrad_quantizers", "names", "table_key", "call", "bind"]
 
 # cute types of the table's dtypes (the templates render these names)
 CUTE_TYPES = {"bf16": "cutlass.BFloat16", "fp32": "cutlass.Float32", "int32": "cutlass.Int32",
@@ -454,6 +454,8 @@ FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quan
 # their transposed copies for the dgrads); with FP8 weight gradients also the column quantizers of s a and the x
 # rows and the one-read row + column forms of dO and dz. quant_rows / quant_cols (whole tensors) are for tests.
 FP8_LAYER_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
+# ... and x's per-token rows where the inference GEMM 1 gathers them itself (plan gemm1.a_load "gather")
+FP8_GATHER_KERNELS = ("quant_rows",)
 FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table
 MX_QUANT_KERNELS = {"quant_mx_gather": "quant_mx_gather", "quant_mx_used": "quant_mx_used", "quant_mx_w1": "quant_mx_w",
@@ -469,6 +471,19 @@ MX_QUANT_WGRAD = {"quant_mx_cols_gather": "quant_mx_cols_gather", "quant_mx_sa_c
 # the quantizers each MXFP8 weight gradient needs: wgrad1 = dz^T x rows, wgrad2 = dO rows^T (s a)
 MX_WGRAD_QUANT = {"wgrad1": ("quant_mx_dz_cols", "quant_mx_cols_gather"),
                   "wgrad2": ("quant_mx_cols_gather", "quant_mx_sa_cols")}
+
+
+def fp8_a_gather(plan: Any) -> bool:
+    """Does an FP8 plan's inference GEMM 1 gather x's per-token e4m3 rows itself (plan gemm1.a_load "gather": x
+    quantized by ``quant_rows``), instead of reading quant_rows_gather's rows by TMA?"""
+    return (getattr(getattr(plan, "spec", None), "dtype", "bf16") == "fp8"
+            and getattr(getattr(plan, "gemm1", None), "a_load", "tma") == "gather")
+
+
+def fp8_layer_kernels(plan: Any) -> tuple[str, ...]:
+    """The FP8 quantizers every launch of an FP8 plan's layer may need (FP8_LAYER_KERNELS, and quant_rows where
+    the inference GEMM 1 gathers: :func:`fp8_a_gather`)."""
+    return FP8_LAYER_KERNELS + (FP8_GATHER_KERNELS if fp8_a_gather(plan) else ())
 
 
 def uses_gather_kernel(plan: Any, training: bool = False) -> bool:

@@ -562,8 +562,10 @@ def _train_gemm1(plan: Plan, a_load_given: bool) -> GemmPlan | None:
     gather kernel's rows; unless ``gemm1_a_load`` was given, which then holds for training too), the output through
     the ring. Measured on the H200, same process (bench/NOTES.md v17, forward+backward): glm-5 6.84 vs 7.33 ms,
     dbrx-like 63.39 vs 64.84, kimi-k2 8.40 vs 8.45 against the gather-fed GEMM 1 with z stored by the consumers;
-    the inference forward stays on the fused gather (with TMA rows it ran 2.60 vs 2.48 ms on glm-5)."""
-    g = plan.gemm1
+    the inference forward stays on the fused gather (with TMA rows it ran 2.60 vs 2.48 ms on glm-5). An FP8 plan whose
+    inference GEMM 1 gathers (a_load "gather") has split its TMA-fed training GEMM 1 off already (backward.gemm1_train):
+    that one is the start."""
+    g = plan.train_gemm1
     if g.a_load != "tma":
         if a_load_given:
             return None
@@ -586,15 +588,15 @@ def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
         raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
     split = (plan.backward is not None and plan.schedule == "chain" and plan.spec.dtype in ("bf16", "fp8")
              and mode != "direct")
-    if split and (g1t := _train_gemm1(plan, a_load_given)) is not None:
+    if split and (g1t := _train_gemm1(plan, a_load_given and plan.spec.dtype != "fp8")) is not None:
         if g1t == dataclasses.replace(plan.gemm1, z_store="ring"):   # A by TMA already: one GEMM 1 plan
             plan = dataclasses.replace(plan, gemm1=g1t)
         else:
             plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, gemm1_train=g1t))
         note = ("overrides: gemm1_z_store=ring" if mode == "ring" else
                 "training GEMM 1 (gemm1_train): z through the stage ring" +
-                (", A rows by TMA from the gather kernel (inference keeps the fused gather)"
-                 if plan.gemm1.a_load != "tma" else ""))
+                (", A rows by TMA from " + ("quant_rows_gather" if plan.spec.dtype == "fp8" else "the gather kernel")
+                 + " (inference keeps the fused gather)" if plan.gemm1.a_load != "tma" else ""))
         return dataclasses.replace(plan, notes=plan.notes + (note,))
     if mode is None:
         return plan
@@ -904,9 +906,10 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
         if overrides.get(key, "cooperative") != "cooperative":   # was taken for the BF16 tile, then not a tile
             raise PlanError(f"plan.{key}: the FP8 GEMMs run cooperative 128-row tiles (two warpgroups per tile: "
                             f"the promotion's second accumulator), got {overrides[key]!r}; pingpong is BF16's")
-    if overrides.get("gemm1_a_load", "tma") != "tma":   # taken by _solve for the BF16 tile, then replaced
-        raise PlanError(f"plan.gemm1_a_load: the FP8 GEMM 1 reads quant_rows_gather's e4m3 rows by TMA (tma), got "
-                        f"{overrides['gemm1_a_load']!r}")
+    a_load = overrides.get("gemm1_a_load", "tma")   # the inference GEMM 1's A path (_fp8_gather_gemm1)
+    if a_load not in FP8_A_LOADS:
+        raise PlanError(f"plan.gemm1_a_load: the FP8 GEMM 1 reads quant_rows_gather's e4m3 rows by TMA (tma) or "
+                        f"gathers the per-token e4m3 rows itself (gather), got {a_load!r}")
     # dgrad1's z chunk applies to the FP8 dgrad1's tile (fp8_gemm's), not to the BF16 tile it replaces
     z_chunk = overrides.get("dgrad1_z_chunk")
     z_load = overrides.get("dgrad1_z_load")
@@ -914,7 +917,7 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     fp8_bn = {k: overrides[k] for k in FP8_BN_KEYS if k in overrides}
     rest = {k: v for k, v in overrides.items()
             if k not in promote_keys and k not in scale_keys
-            and k not in ("dgrad1_z_chunk", "dgrad1_z_load", "gemm1_h_quant") and k not in fp8_bn}
+            and k not in ("dgrad1_z_chunk", "dgrad1_z_load", "gemm1_h_quant", "gemm1_a_load") and k not in fp8_bn}
     # the GEMMs that keep the default 256-column tile: those whose tile no override fixes
     wide = _fp8_wide_kept(overrides)
     if not rest:
@@ -1014,7 +1017,43 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
             raise PlanError(f"plan.gemm1_h_quant: {mode} {why}")
         gemms["gemm1"] = g
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
-    return _with_forward_gemms(spec, a, dataclasses.replace(plan, backward=backward), gemms["gemm1"], gemms["gemm2"])
+    g1 = gemms["gemm1"]
+    if a_load == "gather":
+        if (why := fp8_gather_problem(spec, g1)) is not None:
+            raise PlanError(f"plan.gemm1_a_load: gather {why}")
+        if backward is not None:   # the training GEMM 1 keeps quant_rows_gather's TMA rows (z: _settle_z_store)
+            backward = dataclasses.replace(backward, gemm1_train=_with_epi_store(g1, parts=2))
+        g1 = _fp8_gather_gemm1(a, g1)
+    return _with_forward_gemms(spec, a, dataclasses.replace(plan, backward=backward), g1, gemms["gemm2"])
+
+
+# How the FP8 GEMM 1 gets its A rows (plan gemm1.a_load): "tma" = quant_rows_gather writes the routed rows of x
+# quantized per 1 x 128 into the padded row space and GEMM 1 loads TMA tiles of them (the default); "gather" = x is
+# quantized once per token (quant_rows, [T, H]: T rows instead of T (K + S)) and GEMM 1's producer warpgroup
+# gathers the e4m3 rows with cp.async as the BF16 GEMM 1 does (a stage row is 128 bytes in both), each row's 1 x
+# 128 scales read by token. The same operands and products in the same order: the same bits. Opt-in (inference
+# GEMM 1 only: the training GEMM 1 stores z through the stage ring, whose storer warp the gather would take).
+FP8_A_LOADS = ("tma", "gather")
+
+
+def fp8_gather_problem(spec: Spec, g: GemmPlan) -> str | None:
+    """Why FP8 GEMM 1 plan `g` cannot gather the per-token e4m3 rows itself (a_load "gather"), or None."""
+    if spec.hidden % FP8_BK:
+        return (f"reads whole 128-wide K blocks of each token's row (no zero fill past the row), so hidden must be a "
+                f"multiple of {FP8_BK}, got {spec.hidden}")
+    if g.cluster != 1:
+        return f"runs cluster 1 (the W multicast pairs are the TMA path's), got cluster {g.cluster}"
+    if g.stage_scale_bytes:
+        return "reads the scales by token from global memory (scale_load global), not staged by a producer warp"
+    return None
+
+
+def _fp8_gather_gemm1(a: Arch, g: GemmPlan) -> GemmPlan:
+    """The inference form of FP8 GEMM 1 plan `g` gathering its A rows (a_load "gather"): no z, the output through
+    the epilogue buffers (the stage ring's storer warp gathers), as many stages as then fit (within a stage
+    override's count)."""
+    gg = _with_epi_store(dataclasses.replace(g, a_load="gather", z_store="direct"), parts=2)
+    return dataclasses.replace(gg, stages=min(g.stages, _fp8_fill_stages(a, gg).stages))
 
 
 def h_quant_problem(g: GemmPlan) -> str | None:
@@ -1544,7 +1583,10 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
     waves = c.tiles / arch.sms
     return [
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
-        "  A: " + ("x's rows gathered and quantized by quant_rows_gather, read by TMA tiles" + (
+        "  A: " + (("x quantized once per token by quant_rows, its e4m3 rows gathered by this kernel's producer "
+                    "warpgroup (cp.async, a_load gather; scales read by token); the training GEMM 1 reads "
+                    "quant_rows_gather's rows by TMA tiles" if g.a_load == "gather" else
+                    "x's rows gathered and quantized by quant_rows_gather, read by TMA tiles") + (
             "; h quantized per 1 x 128 in this epilogue (h_quant epilogue: no quant_rows_used launch)"
             if g.h_quant == "epilogue" else "") if which == 1 else
                    "h's used rows in e4m3 (quant_rows_used, or GEMM 1's epilogue with gemm1.h_quant epilogue), "

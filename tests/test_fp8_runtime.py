@@ -2,6 +2,7 @@
 kernels' argument tables, float32 math on the dequantized operands): the launch sequence, the weights' e4m3
 copies following in-place updates, forward against the quantization-aware float64 reference, the training step."""
 
+import pytest
 import torch
 
 from mokgen import plan as P
@@ -147,3 +148,51 @@ def test_h_quant_in_gemm1_epilogue():
     from mokgen import kernels
 
     assert [a.name for a in kernels.ARGS["gemm1_train_hq_fp8"]][-4:] == ["z", "hq", "hs", "num_ctas"]
+
+
+def test_gemm1_gathers_token_rows():
+    """Plan gemm1.a_load "gather" (FP8): the inference forward quantizes x once per token (quant_rows, T rows) and
+    GEMM 1 reads those rows through row_src, instead of quant_rows_gather's T (K + S) routed rows; the training
+    forward keeps quant_rows_gather and the TMA-fed GEMM 1 with z through the ring. Same operands, same products:
+    the same bits as the default, in the inference forward, the training forward and every gradient."""
+    from mokgen import kernels
+
+    spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=7)
+    pg = P.solve(spec, **BF16W, gemm1_a_load="gather")
+    assert (pg.gemm1.a_load, pg.train_gemm1.a_load, pg.train_gemm1.z_store) == ("gather", "tma", "ring")
+    assert pg.train_gemm1 == pl.gemm1   # the training GEMM 1 is the default plan's
+    assert kernels.fp8_a_gather(pg) and not kernels.fp8_a_gather(pl)
+    assert "quant_rows" in kernels.fp8_layer_kernels(pg) and "quant_rows" not in kernels.fp8_layer_kernels(pl)
+    calls = []
+    fns = {n: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, n)
+           for n, f in R.reference_kernels(spec, pg.bm, training=True, fp8_a_gather=True).items()}
+    mg = CompiledMoE(spec, pg, functions=fns, allow_cpu=True)
+    assert mg.fp8_a_gather and not moe.fp8_a_gather
+    assert mg.launch_sequence(training=False) == ("routing", "quant_rows", "gemm1", "quant_rows_used", "gemm2",
+                                                  "combine")
+    assert mg.launch_sequence()[:3] == moe.launch_sequence()[:3] == ("routing", "quant_rows_gather", "gemm1_train")
+    y0 = moe(x, idx, wt, w1, w2)
+    mg(x, idx, wt, w1, w2)   # the weights' e4m3 copies made (a steady call does not launch quant_wt)
+    del calls[:]
+    y1 = mg(x, idx, wt, w1, w2)
+    assert calls[:3] == ["routing", "quant_rows", "gemm1"], calls
+    assert torch.equal(y0, y1) and torch.isfinite(y1.float()).all()
+    dy = torch.randn(x.shape[0], spec.hidden, generator=torch.Generator().manual_seed(8)).bfloat16()
+    (ya, sa_), (yb, sb_) = moe.forward_train(x, idx, wt, w1, w2), mg.forward_train(x, idx, wt, w1, w2)
+    assert torch.equal(ya, yb) and torch.equal(ya, y0)
+    ga, gb = moe.backward(dy, sa_, x, wt, w1, w2), mg.backward(dy, sb_, x, wt, w1, w2)
+    for name in ("x", "topk_weight", "w1", "w2"):
+        assert torch.equal(getattr(ga, name), getattr(gb, name)), name
+
+
+def test_gemm1_gather_refused_where_it_cannot_run():
+    """gemm1_a_load=gather (FP8) refuses, one line each: a hidden size that is no multiple of 128 (a row's last K
+    block would be read past the row), the W-multicast cluster, staged scales, and tma_rows (BF16's override)."""
+    spec = Spec(name="t8", hidden=256, ffn=256, experts=4, topk=2, tokens=64, dtype="fp8")
+    odd = Spec(name="t8o", hidden=320, ffn=256, experts=4, topk=2, tokens=64, dtype="fp8")
+    for s, extra, msg in ((odd, {}, "multiple of 128, got 320"), (spec, {"gemm1_cluster": 2}, "cluster 1"),
+                          (spec, {"gemm1_scale_load": "stage"}, "scale_load global")):
+        with pytest.raises(P.PlanError, match=msg):
+            P.solve(s, gemm1_a_load="gather", **extra)
+    with pytest.raises(P.PlanError, match="tma_rows"):
+        P.solve(spec, gemm1_a_load="tma_rows")

@@ -55,8 +55,12 @@ def test_shapes_without_a_ring_tile_are_unchanged():
     fp8 = P.solve(load_spec("kimi-k2-fp8"), "sm_90a")
     assert fp8.backward.gemm1_train is None and fp8.gemm1.z_store == "ring" and fp8.gemm1.a_load == "tma"
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_z_store="direct").gemm1.z_store == "direct"
-    with pytest.raises(P.PlanError, match=r"^plan\.gemm1_a_load: the FP8 GEMM 1 reads .* got 'gather'$"):
-        P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather")   # refused, not silently ignored
+    with pytest.raises(P.PlanError, match=r"^plan\.gemm1_a_load: the FP8 GEMM 1 reads .* got 'tma_rows'$"):
+        P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma_rows")   # refused, not silently ignored
+    # FP8 gather: the inference GEMM 1 gathers the per-token rows, the training GEMM 1 is split off on TMA rows
+    gathered = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather")
+    assert (gathered.gemm1.a_load, gathered.gemm1.epi_store) == ("gather", "smem")
+    assert gathered.train_gemm1 == fp8.gemm1
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma").gemm1.a_load == "tma"
     fused = P.solve(load_spec("kimi-k2"), "sm_90a", schedule="fused")
     assert fused.backward is None or fused.backward.gemm1_train is None
