@@ -139,6 +139,7 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
     z_n, z_p = (s // spec.hidden for s in _w1_strides(spec))
     fp8_params = _fp8_params(what, g, bn=bn, n_out=n_out, k_dim=k_dim, parts=parts, n_stride=n_stride,
                              k_stride=k_stride, p_stride=p_stride, a_gather=a_gather) if fp8 else {}
+    epi_ring, epi_w = _epi_ring(g, parts, what)
     return dict(
         **fp8_params,
         fp8=fp8,
@@ -182,7 +183,9 @@ def _grouped_params(plan: Plan, g: Any, kernel: str, *, bn: int, n_out: int, k_d
         z_pipe=epilogue == "dswiglu" and g.z_load == "pipe",   # dgrad1's z by global loads, chunks pipelined
         z_ring=z_ring,
         h_quant=h_quant,
-        **dict(zip(("epi_ring", "epi_w"), _epi_ring(g, parts, what))),
+        epi_ring=epi_ring,
+        epi_w=epi_w,
+        gather_split=a_gather and epi_ring,   # warps 2-3 gather, warp 1 stores the ring (plan.epi_ring_problem)
         cluster=g.cluster,
         w_policy=L2_HINTS[g.w_hint],
         w_hint_name=g.w_hint,

@@ -473,16 +473,20 @@ MX_WGRAD_QUANT = {"wgrad1": ("quant_mx_dz_cols", "quant_mx_cols_gather"),
                   "wgrad2": ("quant_mx_cols_gather", "quant_mx_sa_cols")}
 
 
-def fp8_a_gather(plan: Any) -> bool:
-    """Does an FP8 plan's inference GEMM 1 gather x's per-token e4m3 rows itself (plan gemm1.a_load "gather": x
-    quantized by ``quant_rows``), instead of reading quant_rows_gather's rows by TMA?"""
-    return (getattr(getattr(plan, "spec", None), "dtype", "bf16") == "fp8"
-            and getattr(getattr(plan, "gemm1", None), "a_load", "tma") == "gather")
+def fp8_a_gather(plan: Any) -> tuple[str, ...]:
+    """The GEMM 1 kernels of an FP8 plan ("gemm1": the inference one, "gemm1_train") that gather x's per-token e4m3
+    rows themselves (plan a_load "gather": x quantized by ``quant_rows``) instead of reading quant_rows_gather's
+    rows by TMA."""
+    if getattr(getattr(plan, "spec", None), "dtype", "bf16") != "fp8":
+        return ()
+    g1, g1t = getattr(plan, "gemm1", None), getattr(plan, "train_gemm1", None)
+    return tuple(n for n, g in (("gemm1", g1), ("gemm1_train", g1t if getattr(plan, "backward", None) else None))
+                 if getattr(g, "a_load", "tma") == "gather")
 
 
 def fp8_layer_kernels(plan: Any) -> tuple[str, ...]:
     """The FP8 quantizers every launch of an FP8 plan's layer may need (FP8_LAYER_KERNELS, and quant_rows where
-    the inference GEMM 1 gathers: :func:`fp8_a_gather`)."""
+    a GEMM 1 gathers: :func:`fp8_a_gather`)."""
     return FP8_LAYER_KERNELS + (FP8_GATHER_KERNELS if fp8_a_gather(plan) else ())
 
 

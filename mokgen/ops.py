@@ -641,9 +641,9 @@ class CompiledMoE:
         # FP8: GEMM 1 writes h's e4m3 rows and scales itself (plan gemm1.h_quant "epilogue", inference and training
         # GEMM 1 alike)
         self.fp8_h_quant = self.fp8 and fp8_h_quant(plan)
-        # FP8: the inference GEMM 1 gathers x's per-token e4m3 rows itself (plan gemm1.a_load "gather"; x quantized
-        # once per token by quant_rows), the training GEMM 1 reads quant_rows_gather's rows by TMA
-        self.fp8_a_gather = self.fp8 and kernels.fp8_a_gather(plan)
+        # FP8: the GEMM 1 kernels ("gemm1", "gemm1_train") that gather x's per-token e4m3 rows themselves (plan
+        # a_load "gather"; x quantized once per token by quant_rows); the others read quant_rows_gather's rows
+        self.fp8_a_gather = kernels.fp8_a_gather(plan) if self.fp8 else ()
         # FP8 wgrad1's x columns made by the training forward's x quantizer (plan bwd_x_cols "forward") and saved
         self.x_cols_fwd = "wgrad1" in self.fp8_wgrads and getattr(backward, "x_cols", "backward") == "forward"
         self._fp8_weights = _Fp8Weights()
@@ -941,7 +941,7 @@ class CompiledMoE:
     def _fp8_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The FP8 forward GEMMs: x's rows gathered and quantized per 1 x 128 into the padded row space (or, where
-        the inference GEMM 1 gathers, plan gemm1.a_load "gather", x's token rows quantized once), the
+        GEMM 1 gathers, plan gemm1.a_load "gather", x's token rows quantized once), the
         weights' e4m3 copies (:class:`_Fp8Weights`), GEMM 1 -> h (bf16; with ``z``, the training form saving z),
         h quantized per 1 x 128, GEMM 2 -> ys. In training with plan bwd_x_cols "forward" the x quantizer also
         writes the rows' 128 x 1 column form for the FP8 wgrad1 (one read for both), returned as (xt, xts)."""
@@ -950,8 +950,8 @@ class CompiledMoE:
         if z is not None and self.x_cols_fwd:
             xq, xs, xt, xts = fp8_ops.quantize_gathered_both(f, x, row_src, meta)
             cols = (xt, xts)
-        elif z is None and self.fp8_a_gather:   # x's T rows, not its T (K + S) routed ones: GEMM 1 gathers them
-            xq, xs = fp8_ops.quantize_rows(f, x)
+        elif ("gemm1" if z is None else "gemm1_train") in self.fp8_a_gather:   # x's T rows, not its T (K + S)
+            xq, xs = fp8_ops.quantize_rows(f, x)                               # routed ones: GEMM 1 gathers them
         else:
             xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
         t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
@@ -1022,8 +1022,8 @@ class CompiledMoE:
             return ("routing", "fused")
         if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step); h's rows
             # quantized by quant_rows_used unless GEMM 1 does it in its epilogue (plan gemm1.h_quant)
-            q_x = ("quant_both_gather_x" if self.x_cols_fwd else "quant_rows_gather") if training else (
-                "quant_rows" if self.fp8_a_gather else "quant_rows_gather")
+            q_x = "quant_both_gather_x" if (training and self.x_cols_fwd) else (
+                "quant_rows" if ("gemm1_train" if training else "gemm1") in self.fp8_a_gather else "quant_rows_gather")
             fwd = ("routing", q_x, "gemm1_train" if training else "gemm1") + (
                 () if self.fp8_h_quant else ("quant_rows_used",)) + ("gemm2", "combine")
         elif self.mx:   # likewise quant_mx_w1 / quant_mx_w2 (and the backward's quant_mx_w*_cols)

@@ -562,11 +562,11 @@ def _train_gemm1(plan: Plan, a_load_given: bool) -> GemmPlan | None:
     gather kernel's rows; unless ``gemm1_a_load`` was given, which then holds for training too), the output through
     the ring. Measured on the H200, same process (bench/NOTES.md v17, forward+backward): glm-5 6.84 vs 7.33 ms,
     dbrx-like 63.39 vs 64.84, kimi-k2 8.40 vs 8.45 against the gather-fed GEMM 1 with z stored by the consumers;
-    the inference forward stays on the fused gather (with TMA rows it ran 2.60 vs 2.48 ms on glm-5). An FP8 plan whose
-    inference GEMM 1 gathers (a_load "gather") has split its TMA-fed training GEMM 1 off already (backward.gemm1_train):
-    that one is the start."""
-    g = plan.train_gemm1
-    if g.a_load != "tma":
+    the inference forward stays on the fused gather (with TMA rows it ran 2.60 vs 2.48 ms on glm-5). An FP8 GEMM 1
+    that gathers its rows with warps 2-3 beside the ring's storer warp (a_load "gather", epi_store "ring") keeps
+    them: z goes through its ring too."""
+    g = plan.gemm1
+    if g.a_load != "tma" and z_ring_problem(g) is not None:
         if a_load_given:
             return None
         g = _with_epi_store(dataclasses.replace(g, a_load="tma"), parts=2)
@@ -588,8 +588,8 @@ def _settle_z_store(plan: Plan, mode: Any, a_load_given: bool = False) -> Plan:
         raise PlanError(f"plan.gemm1_z_store: must be one of {', '.join(legal)}, got {mode!r}")
     split = (plan.backward is not None and plan.schedule == "chain" and plan.spec.dtype in ("bf16", "fp8")
              and mode != "direct")
-    if split and (g1t := _train_gemm1(plan, a_load_given and plan.spec.dtype != "fp8")) is not None:
-        if g1t == dataclasses.replace(plan.gemm1, z_store="ring"):   # A by TMA already: one GEMM 1 plan
+    if split and (g1t := _train_gemm1(plan, a_load_given)) is not None:
+        if g1t == dataclasses.replace(plan.gemm1, z_store="ring"):   # A by TMA (or FP8's ring gather): one plan
             plan = dataclasses.replace(plan, gemm1=g1t)
         else:
             plan = dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, gemm1_train=g1t))
@@ -638,11 +638,14 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
     """(why plan `g` cannot store its output through the stage ring, or None; the box width EPI_W). The tile's
     bn / parts bf16 output columns go in (128, EPI_W) boxes that fill W stages exactly (EPI_W 64 or 32: a 128- or
     64-byte swizzle row), handed to the consumers by the producer after the tile's K stages and TMA-stored by warp
-    1 of the producer warpgroup, idle only when one warp issues every TMA load (a_load "tma"). Cooperative
-    128-row tiles without clusters (a cluster's stages are released to both producers)."""
-    if g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM or g.a_load != "tma":
-        return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded A (got {g.consumer}, cluster "
-                f"{g.cluster}, a_load {g.a_load})"), 0
+    1 of the producer warpgroup, idle where one warp issues every TMA load (a_load "tma"), or where an FP8 GEMM
+    gathers its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; the BF16 gather keeps all four warps,
+    not measured in the two-warp form). Cooperative 128-row tiles without clusters (a cluster's stages are released
+    to both producers)."""
+    if (g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM
+            or not (g.a_load == "tma" or (g.a_load == "gather" and g.elem_bytes == 1))):
+        return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded A (FP8: or gathered; got "
+                f"{g.consumer}, cluster {g.cluster}, a_load {g.a_load})"), 0
     stage = g.bn * g.bk * g.elem_bytes
     for w in (64, 32):
         if stage % (g.tile_m * w * 2) == 0 and (g.bn // parts) % w == 0:
@@ -1021,18 +1024,17 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     if a_load == "gather":
         if (why := fp8_gather_problem(spec, g1)) is not None:
             raise PlanError(f"plan.gemm1_a_load: gather {why}")
-        if backward is not None:   # the training GEMM 1 keeps quant_rows_gather's TMA rows (z: _settle_z_store)
-            backward = dataclasses.replace(backward, gemm1_train=_with_epi_store(g1, parts=2))
         g1 = _fp8_gather_gemm1(a, g1)
     return _with_forward_gemms(spec, a, dataclasses.replace(plan, backward=backward), g1, gemms["gemm2"])
 
 
 # How the FP8 GEMM 1 gets its A rows (plan gemm1.a_load): "tma" = quant_rows_gather writes the routed rows of x
 # quantized per 1 x 128 into the padded row space and GEMM 1 loads TMA tiles of them (the default); "gather" = x is
-# quantized once per token (quant_rows, [T, H]: T rows instead of T (K + S)) and GEMM 1's producer warpgroup
-# gathers the e4m3 rows with cp.async as the BF16 GEMM 1 does (a stage row is 128 bytes in both), each row's 1 x
-# 128 scales read by token. The same operands and products in the same order: the same bits. Opt-in (inference
-# GEMM 1 only: the training GEMM 1 stores z through the stage ring, whose storer warp the gather would take).
+# quantized once per token (quant_rows, [T, H]: T rows instead of T (K + S)) and GEMM 1's producer warps 2-3
+# gather the e4m3 rows with cp.async as the BF16 GEMM 1 does (a stage row is 128 bytes in both; warp 0 loads W,
+# warp 1 stores the output ring and, in training, z), each row's 1 x 128 scales read by token; with the output
+# through epilogue buffers instead (gemm1_epi_store=smem) all four warps gather (the BF16 form) and the training
+# GEMM 1 stores z from the consumers. The same operands and products in the same order: the same bits. Opt-in.
 FP8_A_LOADS = ("tma", "gather")
 
 
@@ -1049,9 +1051,8 @@ def fp8_gather_problem(spec: Spec, g: GemmPlan) -> str | None:
 
 
 def _fp8_gather_gemm1(a: Arch, g: GemmPlan) -> GemmPlan:
-    """The inference form of FP8 GEMM 1 plan `g` gathering its A rows (a_load "gather"): no z, the output through
-    the epilogue buffers (the stage ring's storer warp gathers), as many stages as then fit (within a stage
-    override's count)."""
+    """FP8 GEMM 1 plan `g` gathering its A rows (a_load "gather"; z's path is _settle_z_store's), its output path
+    re-derived (the ring where the tile allows it), as many stages as then fit (within a stage override's count)."""
     gg = _with_epi_store(dataclasses.replace(g, a_load="gather", z_store="direct"), parts=2)
     return dataclasses.replace(gg, stages=min(g.stages, _fp8_fill_stages(a, gg).stages))
 

@@ -358,6 +358,10 @@ def _settle_x_cols(plan: Plan, x_cols: Any) -> Plan:
         raise PlanError("plan.bwd_x_cols: this plan has no backward kernels")
     if x_cols not in X_COLS:
         raise PlanError(f"plan.bwd_x_cols: must be one of {', '.join(X_COLS)}, got {x_cols!r}")
+    if x_cols == "forward" and plan.train_gemm1.a_load == "gather":
+        raise PlanError("plan.bwd_x_cols: forward makes x's two FP8 forms from quant_both_gather's one read of the "
+                        "routed rows for a TMA-fed training GEMM 1; this one gathers x's per-token rows itself "
+                        "(gemm1_a_load gather): the columns stay the backward's")
     return dataclasses.replace(plan, backward=dataclasses.replace(plan.backward, x_cols=x_cols),
                                notes=plan.notes + (f"overrides: bwd_x_cols={x_cols}",))
 

@@ -745,17 +745,12 @@ def ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, c
     which the used ones are read, or with ``tokens`` (the inference GEMM 1 of plan gemm1.a_load "gather") the
     token rows (quant_rows' q), gathered through ``row`` as the BF16 GEMM 1 gathers x."""
     wd = dequantize_weights(w, sb)
-    if tokens:
-        if z is not None:
-            raise ValueError("ref_gemm1_fp8: the training GEMM 1 reads gathered rows (tokens=False)")
-        ref_gemm1(dequantize_rows(a, sa), wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm)
-        return
     n = int(meta[0]) * bm
-    xd = dequantize_rows(a[:n], sa[:n])
+    xd = dequantize_rows(a, sa) if tokens else dequantize_rows(a[:n], sa[:n])
     if z is None:
-        ref_gemm1(xd, wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=True)
+        ref_gemm1(xd, wd, bias, row, tile_group, meta, out, num_ctas, cfg=cfg, bm=bm, gathered=not tokens)
     else:
-        ref_gemm1_train(xd, wd, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=True)
+        ref_gemm1_train(xd, wd, bias, row, tile_group, meta, out, z, num_ctas, cfg=cfg, bm=bm, gathered=not tokens)
 
 
 def ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, cfg: LayerConfig, bm: int) -> None:
@@ -949,7 +944,7 @@ def ref_wgrad_mx(a, sfa, b, sfb, group_start, out, num_ctas, *, accumulate: bool
 def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = False,
                       training: bool = False, fp8_wgrads: tuple[str, ...] = (),
                       gather_train: bool | None = None, mx_wgrads: tuple[str, ...] = (),
-                      fp8_h_quant: bool = False, fp8_a_gather: bool = False) -> dict[str, Callable[..., None]]:
+                      fp8_h_quant: bool = False, fp8_a_gather: tuple[str, ...] = ()) -> dict[str, Callable[..., None]]:
     """{kernel name: callable} with the device kernels' exact argument lists (the table in mokgen/kernels.py,
     from which the templates' signatures and the runtime's launches derive too), the plan's constants bound. A
     stand-in for the functions of a loaded ``libmokgen.so``. ``gather=True``: the variant with a ``gather``
@@ -964,11 +959,13 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     ``wgrad*_dtype=mxfp8``): their ``wgrad*_mx`` tables (the column quantizers are bound for every MXFP8 training
     set). ``fp8_h_quant``: a dtype "fp8" plan whose GEMM 1 quantizes h in its epilogue (plan gemm1.h_quant
     "epilogue"): GEMM 1's ``gemm1*_hq_fp8`` tables, h's e4m3 rows and scales written as quant_rows_used would.
-    ``fp8_a_gather``: a dtype "fp8" plan whose inference GEMM 1 gathers x's per-token e4m3 rows (plan gemm1.a_load
-    "gather": its ``a`` / ``sa`` are quant_rows' [T, H] rows and scales, read through ``row``); gemm1_train
-    reads quant_rows_gather's rows as ever."""
+    ``fp8_a_gather``: the GEMM 1 kernels ("gemm1", "gemm1_train") of a dtype "fp8" plan that gather x's per-token
+    e4m3 rows (plan gemm1.a_load "gather": their ``a`` / ``sa`` are quant_rows' [T, H] rows and scales, read
+    through ``row``); the others read quant_rows_gather's rows."""
     from .kernels import bind
 
+    if set(fp8_a_gather) - {"gemm1", "gemm1_train"}:
+        raise ValueError(f"fp8_a_gather: names of GEMM 1 kernels (gemm1, gemm1_train), got {fp8_a_gather!r}")
     if set(fp8_wgrads) - {"wgrad1", "wgrad2"}:
         raise ValueError(f"fp8_wgrads: names of weight gradients (wgrad1, wgrad2), got {fp8_wgrads!r}")
     if set(mx_wgrads) - {"wgrad1", "wgrad2"}:
@@ -1007,7 +1004,7 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
     if cfg.dtype == "fp8":   # the FP8 forward GEMMs: same kernel names, the gemm*_fp8 argument tables
         def gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
             ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm,
-                          tokens=fp8_a_gather)
+                          tokens="gemm1" in fp8_a_gather)
 
         def gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas):
             ref_gemm2_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm)
@@ -1017,7 +1014,7 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         def gemm1_hq_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, hq, hs, num_ctas, z=None):
             """GEMM 1 quantizing h in its epilogue (tables gemm1_hq_fp8 and, with z, gemm1_train_hq_fp8)."""
             ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z,
-                          tokens=fp8_a_gather and z is None)
+                          tokens=("gemm1" if z is None else "gemm1_train") in fp8_a_gather)
             ref_quant_rows_used(out, meta, hq, hs, bm=bm)
 
         impls.update(gemm1=gemm1_hq_fp8 if fp8_h_quant else gemm1_fp8, gemm2=gemm2_fp8)
@@ -1056,7 +1053,8 @@ def reference_kernels(spec_or_cfg, bm: int, gather: bool = False, fused: bool = 
         impls.update(gemm1_train=gemm1_train, dgrad1=dgrad1, dgrad2=dgrad2)
         if cfg.dtype == "fp8":
             def gemm1_train_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, num_ctas):
-                ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z)
+                ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, cfg=cfg, bm=bm, z=z,
+                              tokens="gemm1_train" in fp8_a_gather)
 
             def dgrad1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, dz, ds, num_ctas):
                 ref_dgrad1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, z, dz, ds, num_ctas, cfg=cfg, bm=bm)

@@ -223,29 +223,31 @@ def test_fp8_h_quant_epilogue_compiles(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_gemm1_gather_compiles(tmp_path):
-    """``gemm1_a_load=gather`` (FP8, opt-in): the inference GEMM 1 gathers x's per-token e4m3 rows with cp.async
-    (16-byte copies, 8 rows of a 128-byte stage line per thread, each stage's arrival by cp.async.mbarrier.arrive)
-    and loads only W by TMA, the consumers fence the async proxy after each stage's wait, and it compiles for
-    sm_90a with e4m3 wgmma, no spill and no ptxas advisory; the training GEMM 1 keeps the TMA-fed form."""
+    """``gemm1_a_load=gather`` (FP8, opt-in): GEMM 1 gathers x's per-token e4m3 rows with cp.async (16-byte copies,
+    each stage's arrivals by cp.async.mbarrier.arrive) and loads only W by TMA, the consumers fence the async proxy
+    after each stage's wait. With the output ring (the default there) warps 2-3 gather (16 rows a thread) beside
+    warp 1's ring stores, and the training GEMM 1 gathers too with z through the ring; with epilogue buffers
+    (gemm1_epi_store=smem) all four warps gather (8 rows a thread). Every form compiles for sm_90a with e4m3 wgmma
+    and no ptxas advisory; quant_rows is rendered for x's token rows."""
     pytest.importorskip("cutlass")
     from mokgen import build
 
-    plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", gemm1_a_load="gather")
-    src = emit(plan)
-    assert "quant_rows.py" in src.files
-    keep = {"gemm1.py", "gemm1_train.py"}
-    art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}), "sm_90a",
-                      tmp_path, progress=False)
-    g1, g1t = ((Path(art.dir) / f"{k}.ptx").read_text() for k in ("gemm1", "gemm1_train"))
-    for ptx in (g1, g1t):
-        assert ".f32.e4m3.e4m3" in ptx
-    n = g1.count("cp.async.cg.shared.global")   # 8 a stage (the K loop may be unrolled)
-    assert n and n % 8 == 0 and "cp.async.mbarrier.arrive.noinc" in g1
-    assert "fence.proxy.async.shared::cta" in g1
-    assert "cp.async.cg.shared.global" not in g1t and "cp.async.mbarrier.arrive" not in g1t
-    adv = build.ptxas_report(art)
-    if adv is not None:
-        assert not any(adv.values()), adv
+    for epi, rows in (("ring", 16), ("smem", 8)):
+        plan = solve(load_spec("qwen3-30b-a3b-fp8"), "sm_90a", gemm1_a_load="gather", gemm1_epi_store=epi)
+        src = emit(plan)
+        assert "quant_rows.py" in src.files
+        assert f"GATHER_ROWS = BM // {128 // rows}" in src.files["gemm1.py"]
+        keep = {"gemm1.py", "gemm1_train.py"}
+        art = build.build(dataclasses.replace(src, files={n: t for n, t in src.files.items() if n in keep}),
+                          "sm_90a", tmp_path / epi, progress=False)
+        for k in ("gemm1", "gemm1_train"):
+            ptx = (Path(art.dir) / f"{k}.ptx").read_text()
+            n = ptx.count("cp.async.cg.shared.global")   # a stage's copies (the K loop may be unrolled)
+            assert ".f32.e4m3.e4m3" in ptx and n and n % rows == 0, (epi, k, n)
+            assert "cp.async.mbarrier.arrive.noinc" in ptx and "fence.proxy.async.shared::cta" in ptx, (epi, k)
+        adv = build.ptxas_report(art)
+        if adv is not None:
+            assert not any(adv.values()), adv
 
 
 @pytest.mark.slow

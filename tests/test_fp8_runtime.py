@@ -152,25 +152,26 @@ def test_h_quant_in_gemm1_epilogue():
 
 def test_gemm1_gathers_token_rows():
     """Plan gemm1.a_load "gather" (FP8): the inference forward quantizes x once per token (quant_rows, T rows) and
-    GEMM 1 reads those rows through row_src, instead of quant_rows_gather's T (K + S) routed rows; the training
-    forward keeps quant_rows_gather and the TMA-fed GEMM 1 with z through the ring. Same operands, same products:
-    the same bits as the default, in the inference forward, the training forward and every gradient."""
+    GEMM 1 reads those rows through row_src, instead of quant_rows_gather's T (K + S) routed rows; so does the
+    training forward (its GEMM 1 gathers with z through the ring). Same operands, same products: the same bits as
+    the default, in the inference forward, the training forward and every gradient."""
     from mokgen import kernels
 
     spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=7)
     pg = P.solve(spec, **BF16W, gemm1_a_load="gather")
-    assert (pg.gemm1.a_load, pg.train_gemm1.a_load, pg.train_gemm1.z_store) == ("gather", "tma", "ring")
-    assert pg.train_gemm1 == pl.gemm1   # the training GEMM 1 is the default plan's
-    assert kernels.fp8_a_gather(pg) and not kernels.fp8_a_gather(pl)
+    assert (pg.gemm1.a_load, pg.train_gemm1.a_load, pg.train_gemm1.z_store) == ("gather", "gather", "ring")
+    assert kernels.fp8_a_gather(pg) == ("gemm1", "gemm1_train") and kernels.fp8_a_gather(pl) == ()
     assert "quant_rows" in kernels.fp8_layer_kernels(pg) and "quant_rows" not in kernels.fp8_layer_kernels(pl)
     calls = []
     fns = {n: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, n)
-           for n, f in R.reference_kernels(spec, pg.bm, training=True, fp8_a_gather=True).items()}
+           for n, f in R.reference_kernels(spec, pg.bm, training=True,
+                                           fp8_a_gather=("gemm1", "gemm1_train")).items()}
     mg = CompiledMoE(spec, pg, functions=fns, allow_cpu=True)
-    assert mg.fp8_a_gather and not moe.fp8_a_gather
+    assert mg.fp8_a_gather == ("gemm1", "gemm1_train") and not moe.fp8_a_gather
     assert mg.launch_sequence(training=False) == ("routing", "quant_rows", "gemm1", "quant_rows_used", "gemm2",
                                                   "combine")
-    assert mg.launch_sequence()[:3] == moe.launch_sequence()[:3] == ("routing", "quant_rows_gather", "gemm1_train")
+    assert mg.launch_sequence()[:3] == ("routing", "quant_rows", "gemm1_train")
+    assert moe.launch_sequence()[:3] == ("routing", "quant_rows_gather", "gemm1_train")
     y0 = moe(x, idx, wt, w1, w2)
     mg(x, idx, wt, w1, w2)   # the weights' e4m3 copies made (a steady call does not launch quant_wt)
     del calls[:]
@@ -187,7 +188,8 @@ def test_gemm1_gathers_token_rows():
 
 def test_gemm1_gather_refused_where_it_cannot_run():
     """gemm1_a_load=gather (FP8) refuses, one line each: a hidden size that is no multiple of 128 (a row's last K
-    block would be read past the row), the W-multicast cluster, staged scales, and tma_rows (BF16's override)."""
+    block would be read past the row), the W-multicast cluster, staged scales, tma_rows (BF16's override), and x's
+    columns from the forward (quant_both_gather's routed rows, which a gathering training GEMM 1 does not read)."""
     spec = Spec(name="t8", hidden=256, ffn=256, experts=4, topk=2, tokens=64, dtype="fp8")
     odd = Spec(name="t8o", hidden=320, ffn=256, experts=4, topk=2, tokens=64, dtype="fp8")
     for s, extra, msg in ((odd, {}, "multiple of 128, got 320"), (spec, {"gemm1_cluster": 2}, "cluster 1"),
@@ -196,3 +198,5 @@ def test_gemm1_gather_refused_where_it_cannot_run():
             P.solve(s, gemm1_a_load="gather", **extra)
     with pytest.raises(P.PlanError, match="tma_rows"):
         P.solve(spec, gemm1_a_load="tma_rows")
+    with pytest.raises(P.PlanError, match="bwd_x_cols: forward .* gathers x's per-token rows itself"):
+        P.solve(spec, gemm1_a_load="gather", wgrad1_dtype="fp8", bwd_x_cols="forward")

@@ -168,7 +168,9 @@ def test_training_matches_reference_kernels(case):
 
     spec, moe, inp = case
     refm = CompiledMoE(spec, moe.plan, functions=ref.reference_kernels(spec, moe.bm, training=True,
-                                                                       fp8_wgrads=moe.fp8_wgrads))
+                                                                       fp8_wgrads=moe.fp8_wgrads,
+                                                                       fp8_h_quant=moe.fp8_h_quant,
+                                                                       fp8_a_gather=moe.fp8_a_gather))
     dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
     outs = []
     for m in (moe, refm):
@@ -234,31 +236,39 @@ def test_pdl_same_bits(case):
 
 def test_a_load_same_bits(case):
     """GEMM 1's A path (plan gemm1.a_load): "tma" = quant_rows_gather's routed rows read by TMA tiles, "gather" =
-    x quantized once per token (quant_rows) and its e4m3 rows gathered by GEMM 1's producer warpgroup (cp.async),
-    the scales read by token. Same operands, same products in the same order: the inference forward has the same
-    bits either way (into a NaN-poisoned output: every element written), with random and skewed routing, T = 1 and
-    an odd T, and 66 vs 132 CTAs."""
+    x quantized once per token (quant_rows) and its e4m3 rows gathered by GEMM 1's producer warps (cp.async), the
+    scales read by token; with the output ring (warps 2-3 gather) and with epilogue buffers (all four warps
+    gather). Same operands, same products in the same order: the inference forward has the same bits either way
+    (into a NaN-poisoned output: every element written), with random and skewed routing, T = 1 and an odd T, and 66
+    vs 132 CTAs; and a training step (the training GEMM 1 gathers too, z through the ring) the same forward and
+    gradient bits."""
     spec, moe, inp = case
     if spec.hidden % 128:
         pytest.skip("the FP8 gather reads whole 128-wide K blocks: hidden must be a multiple of 128")
-    mode = "gather" if moe.plan.gemm1.a_load == "tma" else "tma"
-    other = mokgen.compile(spec, overrides={**OVERRIDES, "gemm1_a_load": mode})
-    assert other.fp8_a_gather == (mode == "gather")
+    own = (moe.plan.gemm1.a_load, moe.plan.gemm1.epi_store)
     skewed = ref.random_inputs(spec, tokens=inp.x.shape[0], device="cuda", seed=14, routing="skewed")
     cases = [("random", inp), ("skewed", inp._replace(topk_idx=skewed.topk_idx, topk_weight=skewed.topk_weight))]
     for t in (1, 999):
         f = ref.random_inputs(spec, tokens=t, device="cuda", seed=15 + t)
         cases.append((f"T={t}", inp._replace(x=f.x, topk_idx=f.topk_idx, topk_weight=f.topk_weight)))
-    for what, c in cases:
-        ya = run(moe, c)
-        yb = run(other, c, out=torch.full_like(c.x, float("nan")))
+    for mode, epi in [v for v in (("tma", "ring"), ("gather", "ring"), ("gather", "smem")) if v != own]:
+        ov = {**OVERRIDES, "gemm1_a_load": mode, "gemm1_epi_store": epi}
+        other = mokgen.compile(spec, overrides=ov)
+        what_ov = ",".join(f"{k}={v}" for k, v in ov.items())
+        assert ("gemm1" in other.fp8_a_gather) == (mode == "gather")
+        assert (other.plan.gemm1.a_load, other.plan.gemm1.epi_store) == (mode, epi)
+        for what, c in cases:
+            ya = run(moe, c)
+            yb = run(other, c, out=torch.full_like(c.x, float("nan")))
+            torch.cuda.synchronize()
+            assert not bool(yb.isnan().any()), f"{spec.name}/{what}: NaN with {what_ov}"
+            assert torch.equal(bits(ya), bits(yb)), f"{spec.name}/{what}: bits differ with {what_ov}"
+        y_half, y_full = run(other, inp, num_ctas=66), run(other, inp, num_ctas=132)
         torch.cuda.synchronize()
-        assert not bool(yb.isnan().any()), f"{spec.name}/{what}: NaN with gemm1_a_load={mode}"
-        assert torch.equal(bits(ya), bits(yb)), f"{spec.name}/{what}: bits differ with gemm1_a_load={mode}"
-    y_half, y_full = run(other, inp, num_ctas=66), run(other, inp, num_ctas=132)
-    torch.cuda.synchronize()
-    assert torch.equal(bits(y_half), bits(y_full)), f"gemm1_a_load={mode}: 66 vs 132 CTAs bits differ"
-    other.check_errors()
+        assert torch.equal(bits(y_half), bits(y_full)), f"{what_ov}: 66 vs 132 CTAs bits differ"
+        if epi == "ring":
+            _assert_same_step_bits(spec, moe, other, inp, 16, what_ov)
+        other.check_errors()
 
 
 def test_x_cols_same_bits(case):

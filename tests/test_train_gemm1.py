@@ -57,10 +57,14 @@ def test_shapes_without_a_ring_tile_are_unchanged():
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_z_store="direct").gemm1.z_store == "direct"
     with pytest.raises(P.PlanError, match=r"^plan\.gemm1_a_load: the FP8 GEMM 1 reads .* got 'tma_rows'$"):
         P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma_rows")   # refused, not silently ignored
-    # FP8 gather: the inference GEMM 1 gathers the per-token rows, the training GEMM 1 is split off on TMA rows
+    # FP8 gather: GEMM 1 gathers the per-token rows with warps 2-3 beside the ring's storer: one plan, z in the ring;
+    # with epilogue buffers (all four warps gather) the training GEMM 1 stores z from the consumers
     gathered = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather")
-    assert (gathered.gemm1.a_load, gathered.gemm1.epi_store) == ("gather", "smem")
-    assert gathered.train_gemm1 == fp8.gemm1
+    assert (gathered.gemm1.a_load, gathered.gemm1.epi_store, gathered.gemm1.z_store) == ("gather", "ring", "ring")
+    assert gathered.backward.gemm1_train is None
+    smem = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather", gemm1_epi_store="smem")
+    assert (smem.train_gemm1.a_load, smem.train_gemm1.epi_store, smem.train_gemm1.z_store) == ("gather", "smem",
+                                                                                               "direct")
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma").gemm1.a_load == "tma"
     fused = P.solve(load_spec("kimi-k2"), "sm_90a", schedule="fused")
     assert fused.backward is None or fused.backward.gemm1_train is None
