@@ -638,14 +638,14 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
     """(why plan `g` cannot store its output through the stage ring, or None; the box width EPI_W). The tile's
     bn / parts bf16 output columns go in (128, EPI_W) boxes that fill W stages exactly (EPI_W 64 or 32: a 128- or
     64-byte swizzle row), handed to the consumers by the producer after the tile's K stages and TMA-stored by warp
-    1 of the producer warpgroup, idle where one warp issues every TMA load (a_load "tma"), or where an FP8 GEMM
-    gathers its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; the BF16 gather keeps all four warps,
-    not measured in the two-warp form). Cooperative 128-row tiles without clusters (a cluster's stages are released
-    to both producers)."""
+    1 of the producer warpgroup, idle where one warp issues every TMA load (a_load "tma"), or where GEMM 1 gathers
+    its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; the default form for FP8's gather, opt-in for
+    BF16's: _ring_by_default). Cooperative 128-row tiles without clusters (a cluster's stages are released to both
+    producers)."""
     if (g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM
-            or not (g.a_load == "tma" or (g.a_load == "gather" and g.elem_bytes == 1))):
-        return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded A (FP8: or gathered; got "
-                f"{g.consumer}, cluster {g.cluster}, a_load {g.a_load})"), 0
+            or g.a_load not in ("tma", "gather")):
+        return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded or gathered A (got {g.consumer}, "
+                f"cluster {g.cluster}, a_load {g.a_load})"), 0
     stage = g.bn * g.bk * g.elem_bytes
     for w in (64, 32):
         if stage % (g.tile_m * w * 2) == 0 and (g.bn // parts) % w == 0:
@@ -653,10 +653,18 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
     return f"a W stage of {stage} bytes holds no whole number of (128, 64 or 32) bf16 boxes of its tile", 0
 
 
+def _ring_by_default(g: GemmPlan) -> bool:
+    """Whether the stage ring is GEMM `g`'s default output path where its tile allows it: TMA-loaded A (measured
+    faster: bench/NOTES.md v12), and FP8's two-warp gather; the BF16 GEMM 1's gather keeps its four gathering warps
+    and the epilogue buffers unless ``gemm1_epi_store=ring`` asks (the two-warp form unmeasured in BF16)."""
+    return g.a_load == "tma" or g.elem_bytes == 1
+
+
 def _with_epi_store(g: GemmPlan, parts: int = 1, chain: bool = True) -> GemmPlan:
-    """The default output path: "ring" where the tile allows it (measured faster: bench/NOTES.md v12) and the
-    GEMM is its own launch (`chain`: not inside the fused forward kernel), else "smem"."""
-    return dataclasses.replace(g, epi_store="ring" if chain and epi_ring_problem(g, parts)[0] is None else "smem")
+    """The default output path: "ring" where the tile allows it and :func:`_ring_by_default` holds, and the GEMM
+    is its own launch (`chain`: not inside the fused forward kernel), else "smem"."""
+    ring = chain and _ring_by_default(g) and epi_ring_problem(g, parts)[0] is None
+    return dataclasses.replace(g, epi_store="ring" if ring else "smem")
 
 
 def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any], given: Iterable[str] = ()) -> Plan:

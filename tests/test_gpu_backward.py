@@ -34,6 +34,7 @@ if importlib.util.find_spec("mokgen") is None:  # running from a checkout withou
 import mokgen  # noqa: E402
 from mokgen import kernels as mk  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
+from mokgen.plan_types import PlanError  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.ops import cap_rows  # noqa: E402
 
@@ -320,6 +321,21 @@ def test_pdl_same_bits(case):
         assert moe2.plan.pdl == other
         assert_same_step_bits(spec, moe, moe2, inp, dy, 11, f"pdl={moe.plan.pdl} and pdl={other}")
         moe2.check_errors()
+
+
+def test_ring_gather_same_bits(case):
+    """GEMM 1 gathering its rows with warps 2-3 beside the ring's storer (``gemm1_a_load=gather,
+    gemm1_epi_store=ring``, opt-in in BF16): the training GEMM 1 gathers too, with z through the ring, and y and
+    every gradient have the same bits as the plan's own, on random and skewed routing."""
+    spec, moe, inp, dy, _, _ = case
+    ov = {**OVERRIDES, "gemm1_a_load": "gather", "gemm1_epi_store": "ring"}
+    try:
+        moe2 = mokgen.compile(spec, overrides=ov)
+    except PlanError as e:   # e.g. ping-pong tiles: no ring
+        pytest.skip(f"{spec.name}: {e}")
+    assert (moe2.plan.train_gemm1.a_load, moe2.plan.train_gemm1.z_store) == ("gather", "ring")
+    assert_same_step_bits(spec, moe, moe2, inp, dy, 17, "gemm1_a_load=gather,gemm1_epi_store=ring")
+    moe2.check_errors()
 
 
 def test_gemm1_z_store_paths_same_bits(case):

@@ -105,6 +105,34 @@ def test_split_step_equals_the_unsplit_step_bit_for_bit():
     assert torch.equal(a(x, idx, w, w1, w2), b(x, idx, w, w1, w2))   # inference: the same kernels
 
 
+def test_bf16_ring_gather_step_equals_the_split_step_bit_for_bit():
+    """``gemm1_a_load=gather,gemm1_epi_store=ring`` (BF16, opt-in): GEMM 1 gathers its rows with warps 2-3 beside
+    the ring's storer warp, so the training GEMM 1 gathers too and stores z through the ring (one GEMM 1 plan, no
+    gather kernel in the training forward); the default keeps the four-warp gather with epilogue buffers. The
+    training step and the inference forward have the same bits as the default (split) plan's."""
+    spec = big_groups(hidden=512, ffn=512)
+    split = P.solve(spec, "sm_90a", consumer="cooperative")
+    ring = P.solve(spec, "sm_90a", consumer="cooperative", gemm1_a_load="gather", gemm1_epi_store="ring")
+    assert P.solve(spec, "sm_90a", consumer="cooperative", gemm1_a_load="gather").gemm1.epi_store == "smem"
+    assert (ring.gemm1.a_load, ring.gemm1.epi_store, ring.gemm1.z_store) == ("gather", "ring", "ring")
+    assert ring.backward.gemm1_train is None and ring.train_gemm1 is ring.gemm1
+    a, b = _moe(spec, split), _moe(spec, ring)
+    assert b.launch_sequence()[:2] == ("routing", "gemm1_train")   # no gather kernel in the training forward
+    inp = ref.random_inputs(spec, seed=4, routing="skewed")
+    x, idx, w, w1, w2 = inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    (ya, sa), (yb, sb) = a.forward_train(x, idx, w, w1, w2), b.forward_train(x, idx, w, w1, w2)
+    used = int(sa.meta[0]) * split.bm
+    assert torch.equal(ya, yb) and torch.equal(sa.z[:used], sb.z[:used])
+    ga, gb = a.backward(dy, sa, x, w, w1, w2), b.backward(dy, sb, x, w, w1, w2)
+    for name in ga._fields:
+        u, v = getattr(ga, name), getattr(gb, name)
+        assert (u is None) == (v is None), name
+        if u is not None:
+            assert torch.equal(u, v), name
+    assert torch.equal(a(x, idx, w, w1, w2), b(x, idx, w, w1, w2))
+
+
 def test_fp8_training_plans_default_to_fp8_weight_gradients():
     spec = load_spec("kimi-k2-fp8")
     plan = P.solve(spec, "sm_90a")
