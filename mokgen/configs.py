@@ -12,6 +12,8 @@ mokgen/sm100/configs.py), checked after the override keys and values of its own 
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from typing import Any, Iterator, Mapping
 
@@ -119,8 +121,13 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
         elif key == "gemm1_a_load":   # TMA tiles of quant_rows_gather's rows, or GEMM 1's own gather (plan)
             if cfg[key] not in P.FP8_A_LOADS:
                 out.append(f"{key}: the FP8 GEMM 1 reads its rows by {' or '.join(P.FP8_A_LOADS)}, got {cfg[key]!r}")
-            elif cfg[key] == "gather" and (why := P.fp8_gather_problem(spec, P.solve(spec, arch).gemm1)):
-                out.append(f"{key}: gather {why}")
+            elif cfg[key] == "gather":   # against the config's own cluster and scale path
+                g1 = P.solve(spec, arch).gemm1
+                cluster = int(cfg.get("gemm1_cluster", cfg.get("cluster", 1)))
+                staged = cfg.get("gemm1_scale_load", cfg.get("scale_load", "global")) == "stage"
+                g1 = dataclasses.replace(g1, cluster=cluster, stage_scale_bytes=P.stage_scale_bytes(g1) if staged else 0)
+                if why := P.fp8_gather_problem(spec, g1):
+                    out.append(f"{key}: gather {why}")
         elif kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):

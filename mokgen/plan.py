@@ -469,8 +469,16 @@ def candidates(spec: Spec, arch: str = "sm_90a") -> list[Plan]:
     _mxfp8_arch(spec, arch)
     if (own := _own_rules(arch)) is not None:   # e.g. sm_100a: one form (its rules) until it has its own ranking
         return [own.solve(spec, arch, {}, _shared_solver())]
-    return [_settle_z_store(_fp8_wgrad_default(spec, arch, _settle_epi_store(p, {})), None)
+    return [_settle_z_store(_fp8_wgrad_default(spec, arch, _settle_epi_store(_fp8_a_load_default(spec, p), {})), None)
             for p in _candidates_any(spec, arch)]
+
+
+def _fp8_a_load_default(spec: Spec, plan: Plan) -> Plan:
+    """FP8 candidate `plan` with GEMM 1's default A path (fp8_default_a_load), as solve gives it."""
+    if spec.dtype != "fp8" or fp8_default_a_load(spec, plan.gemm1) != "gather":
+        return plan
+    a = _fp8_arch(plan.arch)
+    return _with_forward_gemms(spec, a, plan, _fp8_gather_gemm1(a, plan.gemm1), plan.gemm2)
 
 
 def _fp8_wgrad_default(spec: Spec, arch: str, plan: Plan) -> Plan:
@@ -639,8 +647,7 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
     bn / parts bf16 output columns go in (128, EPI_W) boxes that fill W stages exactly (EPI_W 64 or 32: a 128- or
     64-byte swizzle row), handed to the consumers by the producer after the tile's K stages and TMA-stored by warp
     1 of the producer warpgroup, idle where one warp issues every TMA load (a_load "tma"), or where GEMM 1 gathers
-    its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; the default form for FP8's gather, opt-in for
-    BF16's: _ring_by_default). Cooperative 128-row tiles without clusters (a cluster's stages are released to both
+    its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; opt-in: _ring_by_default). Cooperative 128-row tiles without clusters (a cluster's stages are released to both
     producers)."""
     if (g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM
             or g.a_load not in ("tma", "gather")):
@@ -654,10 +661,10 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
 
 
 def _ring_by_default(g: GemmPlan) -> bool:
-    """Whether the stage ring is GEMM `g`'s default output path where its tile allows it: TMA-loaded A (measured
-    faster: bench/NOTES.md v12), and FP8's two-warp gather; the BF16 GEMM 1's gather keeps its four gathering warps
-    and the epilogue buffers unless ``gemm1_epi_store=ring`` asks (the two-warp form unmeasured in BF16)."""
-    return g.a_load == "tma" or g.elem_bytes == 1
+    """Whether the stage ring is GEMM `g`'s default output path where its tile allows it: with TMA-loaded A
+    (measured faster: bench/NOTES.md v12); a gathering GEMM 1 keeps its four gathering warps and the epilogue buffers
+    unless ``gemm1_epi_store=ring`` asks for the two-warp form (FP8: slower on glm-5 and kimi-k2, NOTES v31)."""
+    return g.a_load == "tma"
 
 
 def _with_epi_store(g: GemmPlan, parts: int = 1, chain: bool = True) -> GemmPlan:
@@ -917,8 +924,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
         if overrides.get(key, "cooperative") != "cooperative":   # was taken for the BF16 tile, then not a tile
             raise PlanError(f"plan.{key}: the FP8 GEMMs run cooperative 128-row tiles (two warpgroups per tile: "
                             f"the promotion's second accumulator), got {overrides[key]!r}; pingpong is BF16's")
-    a_load = overrides.get("gemm1_a_load", "tma")   # the inference GEMM 1's A path (_fp8_gather_gemm1)
-    if a_load not in FP8_A_LOADS:
+    a_load = overrides.get("gemm1_a_load")   # GEMM 1's A path (None: fp8_default_a_load; _fp8_gather_gemm1)
+    if a_load is not None and a_load not in FP8_A_LOADS:
         raise PlanError(f"plan.gemm1_a_load: the FP8 GEMM 1 reads quant_rows_gather's e4m3 rows by TMA (tma) or "
                         f"gathers the per-token e4m3 rows itself (gather), got {a_load!r}")
     # dgrad1's z chunk applies to the FP8 dgrad1's tile (fp8_gemm's), not to the BF16 tile it replaces
@@ -1029,21 +1036,33 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
         gemms["gemm1"] = g
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
     g1 = gemms["gemm1"]
-    if a_load == "gather":
-        if (why := fp8_gather_problem(spec, g1)) is not None:
-            raise PlanError(f"plan.gemm1_a_load: gather {why}")
+    if a_load == "gather" and (why := fp8_gather_problem(spec, g1)) is not None:
+        raise PlanError(f"plan.gemm1_a_load: gather {why}")
+    if (a_load or fp8_default_a_load(spec, g1)) == "gather":
         g1 = _fp8_gather_gemm1(a, g1)
     return _with_forward_gemms(spec, a, dataclasses.replace(plan, backward=backward), g1, gemms["gemm2"])
 
 
 # How the FP8 GEMM 1 gets its A rows (plan gemm1.a_load): "tma" = quant_rows_gather writes the routed rows of x
-# quantized per 1 x 128 into the padded row space and GEMM 1 loads TMA tiles of them (the default); "gather" = x is
-# quantized once per token (quant_rows, [T, H]: T rows instead of T (K + S)) and GEMM 1's producer warps 2-3
-# gather the e4m3 rows with cp.async as the BF16 GEMM 1 does (a stage row is 128 bytes in both; warp 0 loads W,
-# warp 1 stores the output ring and, in training, z), each row's 1 x 128 scales read by token; with the output
-# through epilogue buffers instead (gemm1_epi_store=smem) all four warps gather (the BF16 form) and the training
-# GEMM 1 stores z from the consumers. The same operands and products in the same order: the same bits. Opt-in.
+# quantized per 1 x 128 into the padded row space and GEMM 1 loads TMA tiles of them; "gather" = x is quantized
+# once per token (quant_rows, [T, H]: T rows instead of T (K + S)) and GEMM 1's producer warps gather the e4m3 rows
+# with cp.async as the BF16 GEMM 1 does (a stage row is 128 bytes in both), each row's 1 x 128 scales read by
+# token: all four warps with the output through epilogue buffers (the default form), or warps 2-3 beside warp 1's
+# ring stores (gemm1_epi_store=ring; then the training GEMM 1 gathers too, with z through the ring). The same
+# operands and products in the same order: the same bits. The default follows BF16's rule (GATHER_MIN_GROUP_ROWS):
+# "gather" where the routed groups average >= 1024 rows (and hidden is a multiple of 128), else "tma"; the
+# training GEMM 1 then stays on quant_rows_gather's TMA rows with z through the ring (split off, as BF16's).
+# Measured on an H100, inference forward, same process (bench/NOTES.md v31, three calls): qwen3.5-397b-a17b-fp8
+# 0.681-0.692 vs 0.703-0.754 ms (lower in every round), glm-5-fp8 1.480-1.495 vs 1.497-1.554, kimi-k2-fp8
+# 1.727-1.739 vs 1.736-1.841; qwen3-30b-a3b-fp8 (256-row groups) 3.5% slower, so "tma" there. The ring form: as
+# fast on qwen3.5, not on glm-5 / kimi-k2 (two gathering warps); its training step within noise (glm-5-fp8 -1.2%).
 FP8_A_LOADS = ("tma", "gather")
+
+
+def fp8_default_a_load(spec: Spec, g: GemmPlan) -> str:
+    """The FP8 GEMM 1's default A path (FP8_A_LOADS): the gather where it can run (fp8_gather_problem) and the
+    routed groups are large (BF16's rule, _small_groups), else TMA tiles of quant_rows_gather's rows."""
+    return "gather" if fp8_gather_problem(spec, g) is None and not _small_groups(spec) else "tma"
 
 
 def fp8_gather_problem(spec: Spec, g: GemmPlan) -> str | None:

@@ -36,11 +36,12 @@ _RASTER_MAX = 64
 # sm_90a's axes tune searches by default (the knobs with a `search` tuple), in the order the candidates vary.
 SEARCH_AXES = ("schedule", "gemm1_bn", "gemm2_bn", "gemm1_consumer", "gemm2_consumer", "gemm1_a_load", "cluster")
 
-# The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the tile, consumers, A path and
-# schedule: mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape:
-# bench/NOTES.md v13), each forward GEMM's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14, v26) and
-# the W-tile cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
-FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm1_bn", "gemm2_bn", "cluster")
+# The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the consumers and schedule:
+# mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape: bench/NOTES.md v13),
+# each forward GEMM's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14, v26), GEMM 1's A path (TMA tiles
+# of quant_rows_gather's rows, or its own gather of the per-token rows: v31) and the W-tile cluster. The dgrads'
+# promotion is tune --train's (BACKWARD_SEARCH_AXES).
+FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm1_bn", "gemm2_bn", "gemm1_a_load", "cluster")
 
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are

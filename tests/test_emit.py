@@ -54,6 +54,8 @@ def test_emit_is_deterministic_and_headed(name):
         expected |= {"quant_rows_used.py", "quant_rows_gather.py", "quant_w.py", "quant_wt.py"}
         # FP8 weight gradients (the FP8 training default): their operands' column quantizers
         expected |= {"quant_cols_used.py", "quant_cols_gather.py", "quant_both_used.py", "quant_both_gather.py"}
+        if plan.gemm1.a_load == "gather":   # x's per-token rows for the gathering GEMM 1 (large routed groups)
+            expected.add("quant_rows.py")
     if plan.spec.ep > 1 and plan.spec.dtype == "bf16":   # expert parallelism's kernels (issue 22, mokgen/ep_ops.py)
         expected |= {"ep_routing.py", "ep_dispatch.py", "ep_push.py"}
     assert set(a.files) == expected

@@ -151,39 +151,52 @@ def test_h_quant_in_gemm1_epilogue():
 
 
 def test_gemm1_gathers_token_rows():
-    """Plan gemm1.a_load "gather" (FP8): the inference forward quantizes x once per token (quant_rows, T rows) and
-    GEMM 1 reads those rows through row_src, instead of quant_rows_gather's T (K + S) routed rows; so does the
-    training forward (its GEMM 1 gathers with z through the ring). Same operands, same products: the same bits as
-    the default, in the inference forward, the training forward and every gradient."""
+    """Plan gemm1.a_load "gather" (FP8): x is quantized once per token (quant_rows, T rows) and GEMM 1 reads those
+    rows through row_src, instead of quant_rows_gather's T (K + S) routed rows. Asked for, it holds for the training
+    GEMM 1 too (z from the consumers with epilogue buffers, through the ring with gemm1_epi_store=ring); as the
+    default of large routed groups (fp8_default_a_load) only the inference GEMM 1 gathers. Same operands, same
+    products: the same bits as the TMA form, in the inference forward, the training forward and every gradient."""
     from mokgen import kernels
 
     spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=7)
-    pg = P.solve(spec, **BF16W, gemm1_a_load="gather")
-    assert (pg.gemm1.a_load, pg.train_gemm1.a_load, pg.train_gemm1.z_store) == ("gather", "gather", "ring")
-    assert kernels.fp8_a_gather(pg) == ("gemm1", "gemm1_train") and kernels.fp8_a_gather(pl) == ()
-    assert "quant_rows" in kernels.fp8_layer_kernels(pg) and "quant_rows" not in kernels.fp8_layer_kernels(pl)
-    calls = []
-    fns = {n: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, n)
-           for n, f in R.reference_kernels(spec, pg.bm, training=True,
-                                           fp8_a_gather=("gemm1", "gemm1_train")).items()}
-    mg = CompiledMoE(spec, pg, functions=fns, allow_cpu=True)
-    assert mg.fp8_a_gather == ("gemm1", "gemm1_train") and not moe.fp8_a_gather
-    assert mg.launch_sequence(training=False) == ("routing", "quant_rows", "gemm1", "quant_rows_used", "gemm2",
-                                                  "combine")
-    assert mg.launch_sequence()[:3] == ("routing", "quant_rows", "gemm1_train")
-    assert moe.launch_sequence()[:3] == ("routing", "quant_rows_gather", "gemm1_train")
-    y0 = moe(x, idx, wt, w1, w2)
-    mg(x, idx, wt, w1, w2)   # the weights' e4m3 copies made (a steady call does not launch quant_wt)
-    del calls[:]
-    y1 = mg(x, idx, wt, w1, w2)
-    assert calls[:3] == ["routing", "quant_rows", "gemm1"], calls
-    assert torch.equal(y0, y1) and torch.isfinite(y1.float()).all()
+    assert pl.gemm1.a_load == "tma" and P.fp8_default_a_load(spec, pl.gemm1) == "tma"   # 64 tokens: small groups
+    assert kernels.fp8_a_gather(pl) == () and "quant_rows" not in kernels.fp8_layer_kernels(pl)
     dy = torch.randn(x.shape[0], spec.hidden, generator=torch.Generator().manual_seed(8)).bfloat16()
-    (ya, sa_), (yb, sb_) = moe.forward_train(x, idx, wt, w1, w2), mg.forward_train(x, idx, wt, w1, w2)
-    assert torch.equal(ya, yb) and torch.equal(ya, y0)
-    ga, gb = moe.backward(dy, sa_, x, wt, w1, w2), mg.backward(dy, sb_, x, wt, w1, w2)
-    for name in ("x", "topk_weight", "w1", "w2"):
-        assert torch.equal(getattr(ga, name), getattr(gb, name)), name
+    y0 = moe(x, idx, wt, w1, w2)
+    ya, sa_ = moe.forward_train(x, idx, wt, w1, w2)
+    ga = moe.backward(dy, sa_, x, wt, w1, w2)
+    for epi, z_store in (("smem", "direct"), ("ring", "ring")):
+        pg = P.solve(spec, **BF16W, gemm1_a_load="gather", gemm1_epi_store=epi)
+        assert (pg.gemm1.a_load, pg.train_gemm1.a_load, pg.train_gemm1.z_store) == ("gather", "gather", z_store)
+        assert kernels.fp8_a_gather(pg) == ("gemm1", "gemm1_train") and "quant_rows" in kernels.fp8_layer_kernels(pg)
+        calls = []
+        fns = {n: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, n)
+               for n, f in R.reference_kernels(spec, pg.bm, training=True,
+                                               fp8_a_gather=kernels.fp8_a_gather(pg)).items()}
+        mg = CompiledMoE(spec, pg, functions=fns, allow_cpu=True)
+        assert mg.fp8_a_gather == ("gemm1", "gemm1_train")
+        assert mg.launch_sequence(training=False) == ("routing", "quant_rows", "gemm1", "quant_rows_used", "gemm2",
+                                                      "combine")
+        assert mg.launch_sequence()[:3] == ("routing", "quant_rows", "gemm1_train")
+        mg(x, idx, wt, w1, w2)   # the weights' e4m3 copies made (a steady call does not launch quant_wt)
+        del calls[:]
+        y1 = mg(x, idx, wt, w1, w2)
+        assert calls[:3] == ["routing", "quant_rows", "gemm1"], calls
+        assert torch.equal(y0, y1) and torch.isfinite(y1.float()).all()
+        yb, sb_ = mg.forward_train(x, idx, wt, w1, w2)
+        assert torch.equal(ya, yb) and torch.equal(ya, y0)
+        gb = mg.backward(dy, sb_, x, wt, w1, w2)
+        for name in ("x", "topk_weight", "w1", "w2"):
+            assert torch.equal(getattr(ga, name), getattr(gb, name)), (epi, name)
+    # the default form of large groups: inference gathers, training reads quant_rows_gather's rows by TMA
+    big = Spec(name="t8b", hidden=256, ffn=256, experts=2, topk=1, tokens=4096, dtype="fp8")
+    pb = P.solve(big, **BF16W)
+    assert (pb.gemm1.a_load, pb.gemm1.epi_store, pb.train_gemm1.a_load) == ("gather", "smem", "tma")
+    mb = CompiledMoE(big, pb, functions=R.reference_kernels(big, pb.bm, training=True,
+                                                              fp8_a_gather=kernels.fp8_a_gather(pb)), allow_cpu=True)
+    assert mb.fp8_a_gather == ("gemm1",)
+    assert mb.launch_sequence(training=False)[:2] == ("routing", "quant_rows")
+    assert mb.launch_sequence()[:2] == ("routing", "quant_rows_gather")
 
 
 def test_gemm1_gather_refused_where_it_cannot_run():

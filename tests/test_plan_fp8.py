@@ -31,7 +31,10 @@ def test_fp8_plan_constraints(name):
         # divides ffn
         wide = g is plan.gemm2 or g is plan.backward.dgrad2 or (g is plan.gemm1 and spec.ffn % 128 == 0)
         bn = 64 if g is plan.backward.dgrad1 and spec.ffn % 128 else (256 if wide else 128)
-        assert (g.bk, g.bn, g.elem_bytes, g.consumer, g.cluster, g.a_load) == (128, bn, 1, "cooperative", 1, "tma")
+        # A by TMA tiles, but GEMM 1 gathers the per-token rows itself where the routed groups are large
+        # (plan.fp8_default_a_load: kimi-k2; not qwen3-30b-a3b's small groups nor gpt-oss-120b's hidden 2880)
+        a_load = "gather" if g is plan.gemm1 and name == "kimi-k2-fp8" else "tma"
+        assert (g.bk, g.bn, g.elem_bytes, g.consumer, g.cluster, g.a_load) == (128, bn, 1, "cooperative", 1, a_load)
         assert g.mma_split == (2 if wide else 1)
         assert g.smem_bytes() <= a.smem_per_cta and g.stages >= MIN_STAGES
         # as many 1-byte stages as fit (capped)
@@ -163,8 +166,8 @@ def test_fp8_emit():
 
 @pytest.mark.parametrize("name", FP8_PRESETS)
 def test_fp8_tune_space(name):
-    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion modes, the tiles' N and the
-    cluster forward; the dgrads' output
+    """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion modes, the tiles' N, GEMM 1's A
+    path and the cluster forward; the dgrads' output
     path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
@@ -172,11 +175,14 @@ def test_fp8_tune_space(name):
     # 256-column tiles promote their halves in turn (serial, or staggered where the tile has as many K blocks as
     # stages) and take no cluster; GEMM 1's need ffn % 128 == 0
     ok = {w: P.stagger_problem(getattr(solve(spec), w)) is None for w in ("gemm1", "gemm2")}
+    # GEMM 1's A path: its own gather of the per-token rows (hidden a multiple of 128, cluster 1) or TMA tiles
+    loads = ("gather", "tma") if spec.hidden % 128 == 0 else ("tma",)
     assert sorted(map(str, fwd)) == sorted(map(str, [
-        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm1_bn": b1, "gemm2_bn": bn, "cluster": c}
-        for p1 in modes for p2 in modes for b1 in (128, 256) for bn in (128, 256) for c in (1, 2)
+        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm1_bn": b1, "gemm2_bn": bn, "gemm1_a_load": al, "cluster": c}
+        for p1 in modes for p2 in modes for b1 in (128, 256) for bn in (128, 256) for al in loads for c in (1, 2)
         if (bn == 128 or (c == 1 and (p2 == "serial" or (p2 == "stagger" and ok["gemm2"]))))
-        and (b1 == 128 or (c == 1 and spec.ffn % 128 == 0 and (p1 == "serial" or (p1 == "stagger" and ok["gemm1"]))))]))
+        and (b1 == 128 or (c == 1 and spec.ffn % 128 == 0 and (p1 == "serial" or (p1 == "stagger" and ok["gemm1"]))))
+        and (al == "tma" or c == 1)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
@@ -269,7 +275,9 @@ def test_fp8_wide_gemm1(name):
     assert p == solve(spec) and (base.gemm1.bn, base.gemm1.promote) == (128, "overlap")
     g = p.gemm1
     assert (g.bn, g.mma_split, g.promote, g.stages, g.n_tiles) == (256, 2, "serial", 4, spec.ffn // 128)
-    assert (g.z_store, g.epi_store) == (base.gemm1.z_store, base.gemm1.epi_store) == ("ring", "ring")
+    t, tb = p.train_gemm1, base.train_gemm1   # z through the ring in training (the inference GEMM 1 may gather)
+    assert (t.z_store, t.epi_store) == (tb.z_store, tb.epi_store) == ("ring", "ring")
+    assert g.epi_store == base.gemm1.epi_store == ("smem" if g.a_load == "gather" else "ring")
     assert p.gemm2 == base.gemm2 and p.backward.dgrad1 == base.backward.dgrad1 and not configs.check_plan(p)
     assert configs.check_config(spec, "sm_90a", {"gemm1_bn": 256}) == []
     files = emit(p).files
@@ -290,7 +298,10 @@ def test_fp8_h_quant_override():
     base, p = solve(spec), solve(spec, gemm1_h_quant="epilogue")
     assert base.gemm1.h_quant == "kernel" and (p.gemm1.h_quant, p.train_gemm1.h_quant) == ("epilogue", "epilogue")
     assert dataclasses.replace(p.gemm1, h_quant="kernel") == base.gemm1 and p.gemm2 == base.gemm2
-    assert p.backward == base.backward and not configs.check_plan(p)
+    # the backward unchanged but for the training GEMM 1 (split off where the inference GEMM 1 gathers), which
+    # quantizes h likewise
+    assert dataclasses.replace(p.backward, gemm1_train=base.backward.gemm1_train) == base.backward
+    assert not configs.check_plan(p)
     assert configs.check_config(spec, "sm_90a", {"gemm1_h_quant": "epilogue"}) == []
     for kw, msg in (({"gemm1_h_quant": "epilogue", "gemm1_bn": 128}, r"^plan\.gemm1_h_quant: epilogue needs the FP8 "
                                                                      r"256-column GEMM 1 tile"),

@@ -52,17 +52,21 @@ def test_shapes_without_a_ring_tile_are_unchanged():
         assert plan.backward.gemm1_train is None and plan.gemm1.z_store == "direct"
     # FP8 training: GEMM 1 already reads TMA tiles (quant_rows_gather's rows): one GEMM 1 plan with z through the
     # ring, no split; "direct" keeps the old path
-    fp8 = P.solve(load_spec("kimi-k2-fp8"), "sm_90a")
+    fp8 = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma")   # (its default gathers: below)
     assert fp8.backward.gemm1_train is None and fp8.gemm1.z_store == "ring" and fp8.gemm1.a_load == "tma"
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_z_store="direct").gemm1.z_store == "direct"
     with pytest.raises(P.PlanError, match=r"^plan\.gemm1_a_load: the FP8 GEMM 1 reads .* got 'tma_rows'$"):
         P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma_rows")   # refused, not silently ignored
-    # FP8 gather: GEMM 1 gathers the per-token rows with warps 2-3 beside the ring's storer: one plan, z in the ring;
-    # with epilogue buffers (all four warps gather) the training GEMM 1 stores z from the consumers
-    gathered = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather")
-    assert (gathered.gemm1.a_load, gathered.gemm1.epi_store, gathered.gemm1.z_store) == ("gather", "ring", "ring")
-    assert gathered.backward.gemm1_train is None
-    smem = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather", gemm1_epi_store="smem")
+    # FP8 gather, the default on kimi-k2-fp8's large groups: the inference GEMM 1 gathers the per-token rows (four
+    # warps, epilogue buffers) and the training GEMM 1 is split off on TMA rows with z through the ring, as BF16's
+    dflt = P.solve(load_spec("kimi-k2-fp8"), "sm_90a")
+    assert (dflt.gemm1.a_load, dflt.gemm1.epi_store) == ("gather", "smem") and dflt.train_gemm1 == fp8.gemm1
+    # asked for, the gather holds for training too: with the ring (warps 2-3 gather beside the storer) z goes
+    # through it (one plan); with epilogue buffers the training GEMM 1 stores z from the consumers
+    ring = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather", gemm1_epi_store="ring")
+    assert (ring.gemm1.a_load, ring.gemm1.epi_store, ring.gemm1.z_store) == ("gather", "ring", "ring")
+    assert ring.backward.gemm1_train is None
+    smem = P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="gather")
     assert (smem.train_gemm1.a_load, smem.train_gemm1.epi_store, smem.train_gemm1.z_store) == ("gather", "smem",
                                                                                                "direct")
     assert P.solve(load_spec("kimi-k2-fp8"), "sm_90a", gemm1_a_load="tma").gemm1.a_load == "tma"
