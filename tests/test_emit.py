@@ -442,7 +442,9 @@ def _kernel_body(text: str) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["exit", "tail"])
 @pytest.mark.parametrize("name,overrides", [("kimi-k2", {}), ("qwen3-30b-a3b-fp8", {}), ("gpt-oss-120b", {}),
-                                            ("kimi-k2", {"schedule": "fused"}), ("qwen3-30b-a3b", {"cluster": 2})])
+                                            ("kimi-k2", {"schedule": "fused"}), ("qwen3-30b-a3b", {"cluster": 2}),
+                                            ("kimi-k2-fp8", {}),   # its GEMM 1 gathers the per-token e4m3 rows
+                                            ("kimi-k2-fp8", {"gemm1_a_load": "gather", "gemm1_epi_store": "ring"})])
 def test_pdl_launch_and_wait(name, overrides, mode):
     """Plan pdl (programmatic dependent launch): every kernel the layer launches (not the EP kernels) is launched
     with ``use_pdl=True`` and, in its body, waits for the previous grid exactly once, before its first global memory
