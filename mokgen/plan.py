@@ -1611,9 +1611,10 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
     waves = c.tiles / arch.sms
     return [
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
-        "  A: " + (("x quantized once per token by quant_rows, its e4m3 rows gathered by this kernel's producer "
-                    "warpgroup (cp.async, a_load gather; scales read by token); the training GEMM 1 reads "
-                    "quant_rows_gather's rows by TMA tiles" if g.a_load == "gather" else
+        "  A: " + ((f"x quantized once per token by quant_rows, its e4m3 rows gathered by this kernel with cp.async "
+                    f"({'producer warps 2-3, beside warp 1 storing the output ring' if g.epi_store == 'ring' else 'all four producer warps'}; "
+                    f"scales read by token; a_load gather: the default where routed groups average >= "
+                    f"{GATHER_MIN_GROUP_ROWS} rows, bench/NOTES.md v31)" if g.a_load == "gather" else
                     "x's rows gathered and quantized by quant_rows_gather, read by TMA tiles") + (
             "; h quantized per 1 x 128 in this epilogue (h_quant epilogue: no quant_rows_used launch)"
             if g.h_quant == "epilogue" else "") if which == 1 else
