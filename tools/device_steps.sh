@@ -13,6 +13,8 @@
 #                                 twin, torch's BF16 and FP8 pipelines; FP8_IMPLS), all appended to $OUT/fp8-h200.json
 #                                 and $OUT/bench-fp8.log (one file each: a call returns at most 8 files from $OUT)
 #   py:SCRIPT[:ARGS]              python3 SCRIPT ARGS (ARGS ','-separated; @OUT stands for $OUT, e.g. --out,@OUT/x.json)
+#   pyw:SCRIPT[:ARGS]             the same with ARGS separated by whitespace, so an argument may hold ',' and ';'
+#                                 (e.g. --variants gemm1_a_load=gather,gemm1_epi_store=ring;pdl=exit)
 #   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
 #                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args;
 #                                 NCU_SOURCE=1: the SASS source page as $OUT/ncu-source.csv.gz)
@@ -54,9 +56,11 @@ for step in "$@"; do
           2>>"$OUT/bench-fp8.log" | grep -E "mokgen|torch" | cut -c1-150
         echo "$s exit ${PIPESTATUS[0]}"; tail -n "+$from" "$OUT/bench-fp8.log" | grep FAILED | head -5 | cut -c1-200
       done ;;
-    py)
+    py|pyw)
       script=${rest%%:*}; args=""; [ "$rest" != "$script" ] && args=${rest#*:}; args=${args//@OUT/$OUT}
-      timeout "${STEP_TIMEOUT:-300}" python3 "$script" ${args//,/ } 2>&1 | tail -40; echo "exit ${PIPESTATUS[0]}" ;;
+      [ "$kind" = py ] && args=${args//,/ }
+      read -r -a argv <<< "$args"
+      timeout "${STEP_TIMEOUT:-300}" python3 "$script" "${argv[@]}" 2>&1 | tail -40; echo "exit ${PIPESTATUS[0]}" ;;
     ncu)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
       secs=""; for sct in SpeedOfLight MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables WarpStateStats ComputeWorkloadAnalysis; do
