@@ -13,7 +13,6 @@ mokgen/sm100/configs.py), checked after the override keys and values of its own 
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from typing import Any, Iterator, Mapping
 

@@ -647,8 +647,8 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
     bn / parts bf16 output columns go in (128, EPI_W) boxes that fill W stages exactly (EPI_W 64 or 32: a 128- or
     64-byte swizzle row), handed to the consumers by the producer after the tile's K stages and TMA-stored by warp
     1 of the producer warpgroup, idle where one warp issues every TMA load (a_load "tma"), or where GEMM 1 gathers
-    its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; opt-in: _ring_by_default). Cooperative 128-row tiles without clusters (a cluster's stages are released to both
-    producers)."""
+    its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; opt-in: _ring_by_default). Cooperative
+    128-row tiles without clusters (a cluster's stages are released to both producers)."""
     if (g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM
             or g.a_load not in ("tma", "gather")):
         return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded or gathered A (got {g.consumer}, "
@@ -1055,7 +1055,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
 # Measured on an H100, inference forward, same process (bench/NOTES.md v31, three calls): qwen3.5-397b-a17b-fp8
 # 0.681-0.692 vs 0.703-0.754 ms (lower in every round), glm-5-fp8 1.480-1.495 vs 1.497-1.554, kimi-k2-fp8
 # 1.727-1.739 vs 1.736-1.841; qwen3-30b-a3b-fp8 (256-row groups) 3.5% slower, so "tma" there. The ring form: as
-# fast on qwen3.5, not on glm-5 / kimi-k2 (two gathering warps); its training step within noise (glm-5-fp8 -1.2%).
+# fast on qwen3.5, not on glm-5 / kimi-k2 (two gathering warps); its training step -1.7% on glm-5-fp8, even on
+# qwen3.5 (one call each).
 FP8_A_LOADS = ("tma", "gather")
 
 
@@ -1079,7 +1080,8 @@ def fp8_gather_problem(spec: Spec, g: GemmPlan) -> str | None:
 
 def _fp8_gather_gemm1(a: Arch, g: GemmPlan) -> GemmPlan:
     """FP8 GEMM 1 plan `g` gathering its A rows (a_load "gather"; z's path is _settle_z_store's), its output path
-    re-derived (the ring where the tile allows it), as many stages as then fit (within a stage override's count)."""
+    re-derived (the epilogue buffers, four gathering warps; the ring only on request: _ring_by_default), as many
+    stages as then fit (within a stage override's count)."""
     gg = _with_epi_store(dataclasses.replace(g, a_load="gather", z_store="direct"), parts=2)
     return dataclasses.replace(gg, stages=min(g.stages, _fp8_fill_stages(a, gg).stages))
 
@@ -1609,11 +1611,12 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
     stage = (g.tile_m + g.bn) * g.bk * g.elem_bytes + g.stage_scale_bytes
     fixed = g.smem_bytes() - g.stages * stage
     waves = c.tiles / arch.sms
+    gatherers = ("producer warps 2-3, beside warp 1 storing the output ring" if g.epi_store == "ring"
+                 else "all four producer warps")
     return [
         f"{title}: N = {n}, K = {k}, FP8 e4m3 (A per 1x128, W per 128x128 scales, promoted every K block of 128)",
         "  A: " + ((f"x quantized once per token by quant_rows, its e4m3 rows gathered by this kernel with cp.async "
-                    f"({'producer warps 2-3, beside warp 1 storing the output ring' if g.epi_store == 'ring' else 'all four producer warps'}; "
-                    f"scales read by token; a_load gather: the default where routed groups average >= "
+                    f"({gatherers}; scales read by token; a_load gather: the default where routed groups average >= "
                     f"{GATHER_MIN_GROUP_ROWS} rows, bench/NOTES.md v31)" if g.a_load == "gather" else
                     "x's rows gathered and quantized by quant_rows_gather, read by TMA tiles") + (
             "; h quantized per 1 x 128 in this epilogue (h_quant epilogue: no quant_rows_used launch)"
