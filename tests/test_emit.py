@@ -131,9 +131,11 @@ def test_preset_kernels_compile_for_sm90a(name, tmp_path):
             assert ".f32.e4m3.e4m3" in (Path(art.dir) / f"{k}.ptx").read_text(), k
         for k in ("wgrad1", "wgrad2"):   # FP8 weight gradients by default (plan.FP8_WGRAD_DEFAULT)
             assert ".f32.e4m3.e4m3" in (Path(art.dir) / f"{k}.ptx").read_text(), k
-        for k in ("quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt"):
+        gathers = plan.gemm1.a_load == "gather"   # large routed groups: x's per-token rows (plan.fp8_default_a_load)
+        for k in ("quant_rows_used", "quant_rows_gather", "quant_w", "quant_wt") + (("quant_rows",) if gathers else ()):
             assert "cvt.rn.satfinite.e4m3x2.f32" in (Path(art.dir) / f"{k}.ptx").read_text(), k
-        assert plan.gemm1.a_load == "tma" and "cp.async.cg.shared.global" not in ptx
+        assert gathers == (name == "kimi-k2-fp8") and ("cp.async.cg.shared.global" in ptx) == gathers
+        assert "cp.async.cg.shared.global" not in (Path(art.dir) / "gemm1_train.ptx").read_text()   # TMA rows
     elif plan.gemm1.a_load == "gather":
         assert "cp.async.cg.shared.global" in ptx  # the fused row gather
     else:  # small routed groups: the gather kernel + TMA (gpt-oss-120b, qwen3-30b-a3b)
