@@ -744,6 +744,11 @@ def ref_gemm1_fp8(a, w, bias, row, tile_group, meta, sa, sb, out, num_ctas, *, c
     :func:`ref_gemm1_train`) on the dequantized operands; A holds the gathered rows (quant_rows_gather's q), of
     which the used ones are read, or with ``tokens`` (the inference GEMM 1 of plan gemm1.a_load "gather") the
     token rows (quant_rows' q), gathered through ``row`` as the BF16 GEMM 1 gathers x."""
+    if (a.shape[0] == row.shape[0]) == tokens:   # the padded row space has more rows than there are tokens
+        raise ValueError(f"ref_gemm1_fp8: a has {a.shape[0]} rows for a padded row space of {row.shape[0]}: "
+                         + ("token rows, but this GEMM 1 was bound to read gathered rows (reference_kernels' "
+                            "fp8_a_gather names the GEMM 1 kernels that gather)" if not tokens else
+                            "gathered rows, but this GEMM 1 was bound to gather token rows (fp8_a_gather)"))
     wd = dequantize_weights(w, sb)
     n = int(meta[0]) * bm
     xd = dequantize_rows(a, sa) if tokens else dequantize_rows(a[:n], sa[:n])

@@ -213,3 +213,20 @@ def test_gemm1_gather_refused_where_it_cannot_run():
         P.solve(spec, gemm1_a_load="tma_rows")
     with pytest.raises(P.PlanError, match="bwd_x_cols: forward .* gathers x's per-token rows itself"):
         P.solve(spec, gemm1_a_load="gather", wgrad1_dtype="fp8", bwd_x_cols="forward")
+
+
+def test_reference_gemm1_refuses_the_other_row_form():
+    """The reference GEMM 1 bound for one A form (reference_kernels' fp8_a_gather) refuses the other one's rows with
+    a message naming the binding, instead of computing on the wrong rows."""
+    from mokgen import kernels
+
+    spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=9)
+    pg = P.solve(spec, **BF16W, gemm1_a_load="gather")
+    wrong = CompiledMoE(spec, pg, functions=R.reference_kernels(spec, pg.bm, training=True), allow_cpu=True)
+    with pytest.raises(ValueError, match="bound to read gathered rows .*fp8_a_gather"):
+        wrong(x, idx, wt, w1, w2)
+    other = CompiledMoE(spec, pl, functions=R.reference_kernels(spec, pl.bm, training=True,
+                                                               fp8_a_gather=kernels.fp8_a_gather(pg)),
+                        allow_cpu=True)
+    with pytest.raises(ValueError, match="bound to gather token rows"):
+        other(x, idx, wt, w1, w2)
