@@ -1055,7 +1055,7 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
 # Measured on an H100, inference forward, same process (bench/NOTES.md v31, three calls): qwen3.5-397b-a17b-fp8
 # 0.681-0.692 vs 0.703-0.754 ms (lower in every round), glm-5-fp8 1.480-1.495 vs 1.497-1.554, kimi-k2-fp8
 # 1.727-1.739 vs 1.736-1.841; qwen3-30b-a3b-fp8 (256-row groups) 3.5% slower, so "tma" there. The ring form: as
-# fast on qwen3.5, not on glm-5 / kimi-k2 (two gathering warps); its training step -1.7% on glm-5-fp8, even on
+# fast on qwen3.5, not on glm-5 / kimi-k2 (two gathering warps); its training step -1.2% on glm-5-fp8, even on
 # qwen3.5 (one call each).
 FP8_A_LOADS = ("tma", "gather")
 
