@@ -454,7 +454,7 @@ FP8_QUANT_KERNELS = ("quant_rows", "quant_rows_used", "quant_rows_gather", "quan
 # their transposed copies for the dgrads); with FP8 weight gradients also the column quantizers of s a and the x
 # rows and the one-read row + column forms of dO and dz. quant_rows / quant_cols (whole tensors) are for tests.
 FP8_LAYER_KERNELS = ("quant_rows_gather", "quant_rows_used", "quant_w", "quant_wt")
-# ... and x's per-token rows where the inference GEMM 1 gathers them itself (plan gemm1.a_load "gather")
+# ... and x's per-token rows where a GEMM 1 gathers them itself (plan a_load "gather": fp8_layer_kernels)
 FP8_GATHER_KERNELS = ("quant_rows",)
 FP8_WGRAD_KERNELS = ("quant_cols_used", "quant_cols_gather", "quant_both_used", "quant_both_gather")
 # the MXFP8 (sm_100a) quantization kernels: kernel -> its ARGS table

@@ -482,9 +482,7 @@ class _DeviceState:
 
 
 # ---- FP8 operands (spec dtype "fp8"): e4m3 with power-of-two blockwise scales, by the quant_* kernels -------
-# what an FP8 layer launches besides its GEMMs (mokgen/fp8_ops.py; and quant_rows where the inference GEMM 1
-# gathers x's per-token rows: kernels.fp8_layer_kernels)
-FP8_KERNELS = kernels.FP8_LAYER_KERNELS
+# what an FP8 layer launches besides its GEMMs: kernels.fp8_layer_kernels (mokgen/fp8_ops.py)
 # ... and the column quantizers of FP8 weight gradients (plan wgrad*_dtype "fp8"): s a (used rows), x (gathered
 # rows), transposed e4m3 with 128 x 1 scales; dz and dO along both dims from one read (quant_both_*: the rows for
 # the dgrads, the columns for the weight gradients)
@@ -950,8 +948,8 @@ class CompiledMoE:
         if z is not None and self.x_cols_fwd:
             xq, xs, xt, xts = fp8_ops.quantize_gathered_both(f, x, row_src, meta)
             cols = (xt, xts)
-        elif ("gemm1" if z is None else "gemm1_train") in self.fp8_a_gather:   # x's T rows, not its T (K + S)
-            xq, xs = fp8_ops.quantize_rows(f, x)                               # routed ones: GEMM 1 gathers them
+        elif self._fp8_gathers_x(training=z is not None):   # x's T rows, not its T (K + S) routed ones
+            xq, xs = fp8_ops.quantize_rows(f, x)
         else:
             xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
         t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
@@ -971,6 +969,10 @@ class CompiledMoE:
         call(f, "gemm2", table="gemm2_fp8", a=hq, w=w2q, bias=b2, row=row_w, tile_group=tile_group, meta=meta,
              sa=hs, sb=w2s, out=ys, num_ctas=num_ctas)
         return cols
+
+    def _fp8_gathers_x(self, training: bool) -> bool:
+        """Does this call's GEMM 1 (the training one, or the inference one) gather x's per-token e4m3 rows itself?"""
+        return ("gemm1_train" if training else "gemm1") in self.fp8_a_gather
 
     def _mx_gemms(self, x, w1, w2, b1, b2, row_src, row_w, tile_group, meta, h, ys, num_ctas, z=None) -> None:
         """The MXFP8 forward GEMMs: x's rows gathered and quantized along H into the padded row space
@@ -1023,7 +1025,7 @@ class CompiledMoE:
         if self.fp8:   # the weights' quant_w launches only when they changed (not in a steady step); h's rows
             # quantized by quant_rows_used unless GEMM 1 does it in its epilogue (plan gemm1.h_quant)
             q_x = "quant_both_gather_x" if (training and self.x_cols_fwd) else (
-                "quant_rows" if ("gemm1_train" if training else "gemm1") in self.fp8_a_gather else "quant_rows_gather")
+                "quant_rows" if self._fp8_gathers_x(training) else "quant_rows_gather")
             fwd = ("routing", q_x, "gemm1_train" if training else "gemm1") + (
                 () if self.fp8_h_quant else ("quant_rows_used",)) + ("gemm2", "combine")
         elif self.mx:   # likewise quant_mx_w1 / quant_mx_w2 (and the backward's quant_mx_w*_cols)
