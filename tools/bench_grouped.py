@@ -13,6 +13,9 @@ x [N, H] N(0, 1) bf16, per-row probs in (0, 1) (``--no-probs``: none), dy [N, H]
 Implementations (leaves: x, probs, the weights, the biases):
 
 - ``mokgen``: ``grouped_experts(x, counts, w1 [E, 2I, H], w2 [E, H, I], probs)`` (counts on the device);
+- ``mokgen_fp8``: the same call on the op's FP8 kernels (Hopper's blockwise e4m3: the spec's ``dtype: fp8`` twin,
+  passed as ``moe=``; what ``configure(dtype="fp8")`` selects), with ``speedup_vs_bf16`` = mokgen's f+b time over
+  this one's;
 - ``torch_grouped_mm``: ``h = torch._grouped_mm(x, w1^T, offs)`` (+ b1), the activation, ``torch._grouped_mm(a,
   w2^T, offs)`` (+ b2), times probs: the two-GEMM pipeline on the same rows and weights (offs = int32 cumsum);
 - ``mokgen_torchtitan`` and ``torchtitan_grouped_mm`` (concat SwiGLU without biases only): torchtitan's
@@ -62,8 +65,9 @@ DRY_RUN_SPECS: list[dict[str, Any]] = [
          gate_up_layout="interleaved", bias=True),
 ]
 DEFAULT_OUT = "bench/results/grouped-h200.json"
-IMPLS = ["mokgen", "torch_grouped_mm", "mokgen_torchtitan", "torchtitan_grouped_mm"]
-BASELINE = {"mokgen": "torch_grouped_mm", "mokgen_torchtitan": "torchtitan_grouped_mm"}
+IMPLS = ["mokgen", "mokgen_fp8", "torch_grouped_mm", "mokgen_torchtitan", "torchtitan_grouped_mm"]
+BASELINE = {"mokgen": "torch_grouped_mm", "mokgen_fp8": "torch_grouped_mm",
+            "mokgen_torchtitan": "torchtitan_grouped_mm"}
 _log = BF._log
 _short_error = BF._short_error
 
@@ -211,7 +215,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
                     b1=None if c["b1"] is None else c["b1"].requires_grad_(True),
                     b2=None if c["b2"] is None else c["b2"].requires_grad_(True))
 
-    if "mokgen" in impls or "torch_grouped_mm" in impls:
+    if {"mokgen", "mokgen_fp8", "torch_grouped_mm"} & set(impls):
         refs = reference(True)
         lv = leaves_of(True)
         p = lv["topk_weight"]
@@ -227,6 +231,22 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
                                          gate_up_layout=spec.gate_up_layout)
 
             run("mokgen", lv, mok, refs)
+        if "mokgen_fp8" in impls:
+            fp8 = None
+            try:   # the FP8 twin of the op's spec, passed as moe= (configure(dtype=) would drop the BF16 kernels)
+                fp8 = G.compiled_for(G.grouped_spec(H, I, E, activation=spec.activation,
+                                                    swiglu_limit=spec.swiglu_limit, gate_up_layout=spec.gate_up_layout,
+                                                    bias=spec.bias, tokens=gspec.tokens, dtype="fp8"))
+            except Exception as e:  # noqa: BLE001 - e.g. a width FP8 does not take: recorded, the others go on
+                results["mokgen_fp8"] = dict(error=_short_error(e))
+                _log(f"[{spec.name}] mokgen_fp8: FAILED {_short_error(e)}")
+            if fp8 is not None:
+                def mok8(lv=lv, p=p, fp8=fp8):
+                    return G.grouped_experts(lv["x"], c["counts"], lv["w1"], lv["w2"], p, lv["b1"], lv["b2"],
+                                             activation=spec.activation, swiglu_limit=spec.swiglu_limit,
+                                             gate_up_layout=spec.gate_up_layout, moe=fp8)
+
+                run("mokgen_fp8", lv, mok8, refs)
         del refs
     titan = [i for i in ("torchtitan_grouped_mm", "mokgen_torchtitan") if i in impls]
     if titan and not titan_ok:
@@ -270,6 +290,9 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
                    rel_err=res.get("rel_err"), grad_rel_err=res.get("grad_rel_err"),
                    grad_rel_errs=res.get("grad_rel_errs"), ref=res.get("ref"),
                    bitwise_deterministic=res.get("det"), peak_mem_mb=res.get("peak_mem_mb"), timing=timer.method)
+        if impl == "mokgen_fp8":
+            bf = results.get("mokgen", {}).get("fb_ms")
+            rec["speedup_vs_bf16"] = (bf / res["fb_ms"]) if (bf and res.get("fb_ms")) else None
         if len(res.get("rounds") or ()) > 1:
             rec["round_ms"], rec["round_fwd_ms"] = res["rounds"], res["fwd_rounds"]
         if res.get("error"):
