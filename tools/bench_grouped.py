@@ -131,8 +131,12 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
 
     c = grouped_case(spec, device, seed, probs)
     N, E, H, I = c["N"], c["E"], spec.hidden, spec.ffn
-    gspec = G.grouped_spec(H, I, E, activation=spec.activation, swiglu_limit=spec.swiglu_limit,
-                           gate_up_layout=spec.gate_up_layout, bias=spec.bias, tokens=min(N, 1 << 20))
+
+    def op_spec(dtype: str | None = None):   # the op's spec for these rows (dtype None: configure's)
+        return G.grouped_spec(H, I, E, activation=spec.activation, swiglu_limit=spec.swiglu_limit,
+                              gate_up_layout=spec.gate_up_layout, bias=spec.bias, tokens=min(N, 1 << 20), dtype=dtype)
+
+    gspec = op_spec()
     dims = dict(N=N, E=E, H=H, I=I, activation=spec.activation, swiglu_limit=spec.swiglu_limit,
                 gate_up_layout=spec.gate_up_layout, bias=bool(spec.bias), probs=probs,
                 counts_min=int(c["counts"].min()), counts_max=int(c["counts"].max()))
@@ -234,9 +238,7 @@ def bench_shape(spec, impls: list[str], ctx: dict[str, Any], timer: "BF.Timer", 
         if "mokgen_fp8" in impls:
             fp8 = None
             try:   # the FP8 twin of the op's spec, passed as moe= (configure(dtype=) would drop the BF16 kernels)
-                fp8 = G.compiled_for(G.grouped_spec(H, I, E, activation=spec.activation,
-                                                    swiglu_limit=spec.swiglu_limit, gate_up_layout=spec.gate_up_layout,
-                                                    bias=spec.bias, tokens=gspec.tokens, dtype="fp8"))
+                fp8 = G.compiled_for(op_spec("fp8"))
             except Exception as e:  # noqa: BLE001 - e.g. a width FP8 does not take: recorded, the others go on
                 results["mokgen_fp8"] = dict(error=_short_error(e))
                 _log(f"[{spec.name}] mokgen_fp8: FAILED {_short_error(e)}")
