@@ -377,12 +377,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     elif what == "pack":
         from . import packs
 
-        out = packs.pack(args.out, args.arch)
+        out = packs.pack(args.out, args.arch, runtime=not args.no_runtime)
         import tarfile
 
         with tarfile.open(out) as tf:
             n = len({m.name.split("/")[1] for m in tf.getmembers() if m.name.startswith("sm_") and "/" in m.name})
-        _out(f"packed {_n(n)} and the CuTe DSL runtime into {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        what = ("(no runtime library: the GPU host needs the same CuTe DSL installed, "
+                f"{cache.dsl_versions().get(cache._DSL_PREFIX)})" if args.no_runtime else "and the CuTe DSL runtime")
+        _out(f"packed {_n(n)} {what} into {out} ({out.stat().st_size / 1e6:.1f} MB)")
         _out(f"on the GPU host: mokgen cache unpack {out.name}")
     elif what == "unpack":
         from . import packs
@@ -487,6 +489,8 @@ def make_parser() -> argparse.ArgumentParser:
     c = csub.add_parser("pack", help="write entries + the CuTe DSL runtime to a .tar.xz for GPU hosts")
     c.add_argument("out", metavar="OUT")
     c.add_argument("--arch")
+    c.add_argument("--no-runtime", action="store_true",
+                   help="leave the 43 MB runtime library out (for a GPU host with the same CuTe DSL installed)")
     c = csub.add_parser("unpack", help="install a pack into this host's cache")
     c.add_argument("tar", metavar="TAR")
     csub.add_parser("path", help="print the cache directory")

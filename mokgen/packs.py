@@ -56,17 +56,22 @@ def _pack_runtime_versions(rt: Path) -> dict[str, str]:
 # pack / unpack (prebuilt caches for hosts without the compiler)
 
 
-def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
+def pack(out_tar: str | os.PathLike, arch: str | None = None, runtime: bool = True) -> Path:
     """Write the complete, verified entries (of ``arch``, or all) and ``runtime/libcute_dsl_runtime.so``
     (with its version and sha256 in ``MANIFEST.json``) into a ``.tar.xz`` that :func:`unpack` installs on
-    another host (one without the compiler). Damaged entries are left out, with a warning."""
+    another host (one without the compiler). Damaged entries are left out, with a warning.
+
+    ``runtime=False``: the entries alone (the 43 MB runtime library is most of a pack's size), for a host
+    with the CuTe DSL installed: its cache keys include the DSL's package versions, so it uses the entries
+    where they match its own (else it builds, as without the pack). A host with neither the DSL nor a runtime
+    library refuses to load them with a message saying so (``mokgen.driver``)."""
     out = Path(out_tar).expanduser().resolve()
     if out.is_dir():
         raise cache.CacheError(f"cannot write the pack {out}: it is a directory; name the file to write, "
                          f"e.g. {out / 'kernels.tar.xz'}")
     all_entries = cache.scan_entries(arch)
-    rt = _dsl_runtime_for_pack()
-    rt_versions = _pack_runtime_versions(rt)
+    rt = _dsl_runtime_for_pack() if runtime else None
+    rt_versions = _pack_runtime_versions(rt) if rt is not None else {}
     entries = []
     for e in all_entries:
         if not e.ok:
@@ -90,9 +95,10 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
         "dsl_versions": cache.dsl_versions(),
         "entries": [{"arch": e.arch, "key": e.key, "spec": e.spec_name, "kernels": e.meta.get("kernels", [])}
                     for e in entries],
-        "runtime": {"path": f"runtime/{cache.RUNTIME_LIB}", "size": rt.stat().st_size, "sha256": cache.sha256_file(rt),
-                    "dsl_versions": rt_versions},
     }
+    if rt is not None:
+        manifest["runtime"] = {"path": f"runtime/{cache.RUNTIME_LIB}", "size": rt.stat().st_size,
+                               "sha256": cache.sha256_file(rt), "dsl_versions": rt_versions}
     tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +109,8 @@ def pack(out_tar: str | os.PathLike, arch: str | None = None) -> Path:
             info.size = len(data)
             info.mtime = int(time.time())
             tf.addfile(info, io.BytesIO(data))
-            tf.add(rt, arcname=f"runtime/{cache.RUNTIME_LIB}")
+            if rt is not None:
+                tf.add(rt, arcname=f"runtime/{cache.RUNTIME_LIB}")
             for e in entries:  # what meta.json lists, and meta.json: nothing else travels
                 for rel in sorted(e.meta["files"]) + [cache.META]:
                     tf.add(e.path / rel, arcname=f"{e.arch}/{e.path.name}/{rel}", recursive=False)

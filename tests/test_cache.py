@@ -494,3 +494,22 @@ def test_cli_cache_commands(mokgen_cache: Path, tmp_path: Path, capsys: pytest.C
     assert main(["cache", "unpack", str(tmp_path / "nope.tar.xz")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mokgen: error: no such pack") and len(err.strip().splitlines()) == 1
+
+
+def test_pack_without_the_runtime(mokgen_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no runtime library is looked for (this host may have none), none travels and the manifest names none
+    monkeypatch.setattr(packs, "_dsl_runtime_for_pack", lambda: pytest.fail("the runtime was looked for"))
+    s = make_sources()
+    a90 = fake_build(s, "sm_90a", tmp_path / "a")
+    cache.store(a90)
+    tar = packs.pack(tmp_path / "out" / "entries.tar.xz", runtime=False)
+    with tarfile.open(tar) as tf:
+        names = tf.getnames()
+        manifest = json.load(tf.extractfile("MANIFEST.json"))
+    assert not any(n.startswith("runtime") for n in names) and "runtime" not in manifest
+    assert f"sm_90a/{a90.key[:16]}/libmokgen.so" in names
+    other = tmp_path / "gpu-host-cache"
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(other))
+    res = packs.unpack(tar)
+    assert len(res["installed"]) == 1 and res["runtime"] is None and res["runtime_status"] is None
+    assert cache.lookup(a90.key, "sm_90a") == other.resolve() / "sm_90a" / a90.key[:16]
