@@ -26,8 +26,12 @@ def test_parse_items():
 @pytest.mark.parametrize("name", ["kimi-k2", "qwen3-30b-a3b", "kimi-k2-fp8"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_twins_are_the_benches_specs(name, dtype):
-    assert prebuild.spec_for(name, dtype) == bench_fp8.spec_as(load_spec(name), dtype)
-    assert prebuild.spec_for(name, None) == load_spec(name)
+    spec = load_spec(name)
+    twin = prebuild.spec_for(name, dtype)
+    assert twin == bench_fp8.spec_as(spec, dtype)
+    assert twin["dtype"] == dtype and twin["name"] == spec.name   # the benches' name: kimi-k2:fp8 is not kimi-k2-fp8
+    assert {k: v for k, v in twin.items() if k != "dtype"} == {k: v for k, v in spec.to_dict().items() if k != "dtype"}
+    assert prebuild.spec_for(name, None) == spec
 
 
 def test_usage_and_bad_dtype_exit_2(capsys):

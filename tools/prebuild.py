@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
@@ -51,13 +52,13 @@ def parse_items(arg: str) -> list[tuple[str, str | None]]:
 
 
 def spec_for(name: str, dtype: str | None) -> Any:
-    """The spec (a dict with ``dtype`` set, as the benches' ``spec_as``, or the loaded Spec itself)."""
+    """The loaded spec, or with ``dtype`` set: the benches' own twin (``bench_fp8.spec_as``)."""
     spec = load_spec(name)
     if dtype is None:
         return spec
-    d = dict(spec.to_dict())
-    d["dtype"] = dtype
-    return d
+    from bench_fp8 import spec_as   # tools/ is on sys.path when this script runs
+
+    return spec_as(spec, dtype)
 
 
 def main(argv=None) -> int:
