@@ -382,9 +382,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
         with tarfile.open(out) as tf:
             n = len({m.name.split("/")[1] for m in tf.getmembers() if m.name.startswith("sm_") and "/" in m.name})
-        what = ("(no runtime library: the GPU host needs the same CuTe DSL installed, "
-                f"{cache.dsl_versions().get(cache._DSL_PREFIX)})" if args.no_runtime else "and the CuTe DSL runtime")
-        _out(f"packed {_n(n)} {what} into {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        with_rt = ("(no runtime library: the GPU host needs the same CuTe DSL installed, "
+                   f"{cache.dsl_versions().get(cache._DSL_PREFIX)})" if args.no_runtime else "and the CuTe DSL runtime")
+        _out(f"packed {_n(n)} {with_rt} into {out} ({out.stat().st_size / 1e6:.1f} MB)")
         _out(f"on the GPU host: mokgen cache unpack {out.name}")
     elif what == "unpack":
         from . import packs
