@@ -35,10 +35,12 @@ EXPERIMENTS = ("fused_profile",)
 ARCH_RENDERERS = {_sm100_emit.ARCH: _sm100_emit.emit}
 
 
-def _check_smem(plan: Plan, smem: int, what: str) -> None:
-    from .plan import get_arch
+def _check_smem(plan: Plan, smem: int, what: str, g: Any = None) -> None:
+    """`smem` bytes fit one CTA (of GEMM plan `g`, when given: its share of the SM with ctas_per_sm > 1)."""
+    from .plan import get_arch, smem_budget
 
-    limit = get_arch(plan.arch).smem_per_cta
+    a = get_arch(plan.arch)
+    limit = a.smem_per_cta if g is None else smem_budget(a, g)
     if smem > limit:
         raise EmitError(f"{what} need {smem} bytes of shared memory, limit {limit}")
 
@@ -402,15 +404,18 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
         if g.mma_split == 2 and g.promote not in FP8_SPLIT_PROMOTES:
             raise EmitError(f"{what}.promote: the 128 x 256 FP8 wgrad promotes its halves in turn (serial, or "
                             f"stagger), got {g.promote!r}")
+    if g.ctas_per_sm not in (1, 2) or (g.ctas_per_sm == 2 and (fp8 or g.bn > 128)):
+        raise EmitError(f"{what}.ctas_per_sm: 1, or 2 for a BF16 wgrad of tile N <= 128 (half the registers), got "
+                        f"{g.ctas_per_sm} with tile N {g.bn}{' (FP8)' if fp8 else ''}")
     if not accumulate:
-        _check_smem(plan, g.smem_bytes(), f"{what}: {g.stages} stages")
+        _check_smem(plan, g.smem_bytes(), f"{what}: {g.stages} stages", g)
     epi_ring, epi_w = _epi_ring(g, 1, what) if not accumulate else (False, 0)
     table = name + ("_acc" if accumulate else "") + ("_fp8" if fp8 else "")
     return dict(m_out=m, n_out=n, groups=plan.spec.groups, group_m=plan.bm, bm=g.bm, bn=g.bn, bk=g.bk,
                 stages=g.stages, epi_n=g.epi_n, epi_stages=g.epi_stages, raster=g.raster_group,
                 accumulate=accumulate, producer_regs=producer_regs, consumer_regs=consumer_regs,
                 epi_ring=epi_ring, epi_w=epi_w, fp8=fp8, promote=g.promote if fp8 else "serial",
-                mma_split=g.mma_split if fp8 else 1, **_table(table))
+                mma_split=g.mma_split if fp8 else 1, ctas_per_sm=g.ctas_per_sm, **_table(table))
 
 
 def _epi_ring(g: Any, parts: int, what: str) -> tuple[bool, int]:

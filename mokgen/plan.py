@@ -23,7 +23,7 @@ from .plan_types import (  # the plan's types and shared vocabulary (re-exported
     BACKWARD_GEMMS, BARRIER_BYTES, BM, CONSUMER_WGS, CONSUMERS, ELEM_BYTES, EPI_BUFFERS, EPI_M, EPI_N,
     MAX_STAGES, MIN_STAGES, PRODUCER_REGS, SCHEDULES, WGRAD_DTYPE_KEYS, Z_CHUNK, BackwardPlan, GemmPlan, Plan,
     PlanError, SharedSolver, _gemm_override, _gemm_shape, _GemmCost, _int_override, _m_tiles, _pct,
-    _settle_pdl, _settle_streams, _settle_x_cols, _tile_m, fused_tiles_ok, get_arch,
+    _settle_pdl, _settle_streams, _settle_x_cols, _tile_m, fused_tiles_ok, get_arch, smem_budget,
 )
 from .sm100 import plan as _sm100_plan  # the sm_100a plan rules (ARCH_RULES)
 from .space import SM90 as _SPACE, override_keys as _override_keys  # legal values: the config space
@@ -94,6 +94,9 @@ WGRAD_TILE_EPI_MAX_ROWS = 192
 # the whole-tile buffers (epi_store "smem"); the others keep the ring.
 WGRAD_SMEM_EPI_MAX_ROWS = 256
 WGRAD_TILE_EPI = dict(epi_n=64, epi_stages=4)
+# the widest wgrad tile N with two CTAs per SM (GemmPlan.ctas_per_sm): a 128 x 128 tile's accumulator is 64
+# registers per consumer thread, within the 104 that half an SM's registers give (REGS_TWO_CTAS)
+TWO_CTAS_MAX_BN = 128
 A_LOADS = _SPACE.values("a_load", "gemm1")
 OVERRIDES = _override_keys("sm_90a")  # every knob's keys (mokgen.space)
 CLUSTERS = _SPACE.values("cluster", "gemm1")
@@ -221,10 +224,10 @@ def _backward_bn_problem(spec: Spec, arch: Arch, name: str, bn: Any) -> str | No
 
 def _stages_most(arch: Arch, g: GemmPlan) -> int:
     """The most pipeline stages (capped at MAX_STAGES) whose ring, with `g`'s epilogue buffers and the barriers,
-    fits the CTA's shared memory (GemmPlan.smem_bytes)."""
+    fits the CTA's shared memory (GemmPlan.smem_bytes; its share of the SM's with ctas_per_sm 2: smem_budget)."""
     fixed = dataclasses.replace(g, stages=0).smem_bytes()
-    return min(MAX_STAGES, (arch.smem_per_cta - fixed) // ((g.tile_m + g.bn) * g.bk * g.elem_bytes
-                                                           + g.stage_scale_bytes))
+    return min(MAX_STAGES, (smem_budget(arch, g) - fixed) // ((g.tile_m + g.bn) * g.bk * g.elem_bytes
+                                                              + g.stage_scale_bytes))
 
 
 def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = None,
@@ -649,6 +652,8 @@ def epi_ring_problem(g: GemmPlan, parts: int = 1) -> tuple[str | None, int]:
     1 of the producer warpgroup, idle where one warp issues every TMA load (a_load "tma"), or where GEMM 1 gathers
     its A rows with warps 2-3 only (a_load "gather": warp 0 loads W; opt-in: _ring_by_default). Cooperative
     128-row tiles without clusters (a cluster's stages are released to both producers)."""
+    if g.ctas_per_sm != 1:
+        return f"needs one CTA per SM (the producer warpgroup's storer warp; {g.ctas_per_sm} CTAs per SM have one producer warp)", 0
     if (g.consumer != "cooperative" or g.cluster != 1 or g.tile_m != BM
             or g.a_load not in ("tma", "gather")):
         return (f"needs cooperative {BM}-row tiles, no cluster and TMA-loaded or gathered A (got {g.consumer}, "
@@ -864,6 +869,12 @@ def _solve_dtype(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
                             f"stagger: the warpgroups offset by one half), got {value!r}")
         plan = dataclasses.replace(plan, backward=dataclasses.replace(
             plan.backward, **{name: dataclasses.replace(g, promote=value)}))
+    for name in ("wgrad1", "wgrad2"):   # an FP8 weight gradient (its dtype settled above) keeps one CTA per SM
+        g = plan.backward and getattr(plan.backward, name)
+        if g is not None and g.elem_bytes == 1 and g.ctas_per_sm != 1:
+            raise PlanError(f"plan.{name}_ctas_per_sm: two CTAs per SM are built for BF16 weight gradients; this "
+                            f"{name} is FP8 (its promotion needs more registers than half an SM's: "
+                            f"{name}_dtype=bf16 for the BF16 one)")
     return plan
 
 
@@ -1493,7 +1504,11 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
             bwd[name], changed = _with_consumer(a, g, overrides[key]), True
             if name == "dgrad1":   # back to cooperative tiles: z through the ring again where it fits
                 bwd[name] = _with_z_load(bwd[name])
-    for name in ("wgrad1", "wgrad2"):   # epilogue staging first: it bounds the stages that fit
+    for name in ("wgrad1", "wgrad2"):   # CTAs per SM first: it bounds the shared memory and the tile
+        key = f"{name}_ctas_per_sm"
+        if key in overrides:
+            bwd[name], changed = _ctas_per_sm_override(spec, a, plan.bm, name, bwd[name], overrides), True
+    for name in ("wgrad1", "wgrad2"):   # epilogue staging next: it bounds the stages that fit
         for field in ("epi_n", "epi_stages"):
             key = f"{name}_{field}"
             if key not in overrides:
@@ -1547,6 +1562,35 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
                 raise PlanError(f"plan.{key}: must be in [1, {most}], got {r}")
             bwd[name], changed = dataclasses.replace(bwd[name], raster_group=r), True
     return dataclasses.replace(plan, backward=BackwardPlan(**bwd)) if changed else plan
+
+
+def _ctas_per_sm_override(spec: Spec, a: Arch, bm: int, name: str, g: GemmPlan,
+                          overrides: Mapping[str, Any]) -> GemmPlan:
+    """Wgrad `name` with ``<name>_ctas_per_sm``: 2 CTAs per SM take tile N <= TWO_CTAS_MAX_BN (the accumulator of a
+    128 x bn tile, bn / 2 registers per consumer thread, within REGS_TWO_CTAS' 104): without an explicit
+    ``<name>_bn`` a wider default tile becomes TWO_CTAS_MAX_BN. The stages refit to the CTA's half of the SM's
+    shared memory (the output path as the tile's default)."""
+    key = f"{name}_ctas_per_sm"
+    c, legal = _int_override(key, overrides[key]), _SPACE.values("ctas_per_sm", name)
+    if c not in legal:
+        raise PlanError(f"plan.{key}: must be one of {', '.join(map(str, legal))}, got {c}")
+    if c == g.ctas_per_sm:
+        return g
+    if f"{name}_bn" in overrides and g.bn > TWO_CTAS_MAX_BN:
+        raise PlanError(f"plan.{key}: two CTAs per SM need {name}_bn <= {TWO_CTAS_MAX_BN} (the accumulator of a "
+                        f"128 x {g.bn} tile does not fit half the registers), got {name}_bn={g.bn}")
+    if g.bn > TWO_CTAS_MAX_BN:
+        if (why := _backward_bn_problem(spec, a, name, TWO_CTAS_MAX_BN)) is not None:
+            raise PlanError(f"plan.{key}: two CTAs per SM need {name}_bn <= {TWO_CTAS_MAX_BN}, and {why}")
+        g = _backward_gemm(spec, a, name, bm, TWO_CTAS_MAX_BN)
+    g = dataclasses.replace(g, ctas_per_sm=c)
+    if _stages_most(a, g) < MIN_STAGES:   # whole-tile epilogue buffers (small groups) leave too few stages
+        g = dataclasses.replace(g, epi_n=EPI_N, epi_stages=EPI_BUFFERS)
+    g = dataclasses.replace(g, stages=_stages_most(a, g))
+    if g.stages < MIN_STAGES:
+        raise PlanError(f"plan.{key}: {MIN_STAGES} stages of {name}'s 128 x {g.bn} tile do not fit half an SM's "
+                        f"shared memory ({smem_budget(a, g)} B)")
+    return g
 
 
 def _z_load_override(g: GemmPlan, mode: Any) -> GemmPlan:
@@ -1795,5 +1839,6 @@ def _explain_backward(plan: Plan) -> list[str]:
                      if b.x_cols == "forward" else "; x's columns quantized here (quant_cols_gather)")
         lines += [f"  {name}  {_BACKWARD_WHAT[name]}: {shape}, {form}",
                   f"    tile {g.tile_m} x {g.bn} ({g.consumer}), K step {g.bk}, stages {g.stages} "
-                  f"({g.smem_bytes()} B smem), raster {g.raster_group}, output {out}{extra}{main_grad}"]
+                  f"({g.smem_bytes()} B smem{f', {g.ctas_per_sm} CTAs per SM' if g.ctas_per_sm > 1 else ''}), "
+                  f"raster {g.raster_group}, output {out}{extra}{main_grad}"]
     return lines

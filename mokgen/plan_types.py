@@ -44,6 +44,12 @@ PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 # Register split (setmaxnreg; 128 * producer + 256 * consumer <= 65536) by how the producer loads A: the
 # cp.async row gather keeps 8 row addresses per thread in registers, the TMA producers almost nothing.
 REGS = {"gather": (56, 224), "tma": (PRODUCER_REGS, 232), "tma_rows": (PRODUCER_REGS, 232)}
+# Two CTAs per SM (GemmPlan.ctas_per_sm 2): 288 threads each (two consumer warpgroups and one producer warp) and
+# no setmaxnreg; ptxas compiles every thread's code for the launch's 65536 / (2 * 288) -> 112 registers (it does not
+# allocate past the launch bound where setmaxnreg raises it: a 384-thread two-CTA kernel failed at 80)
+REGS_TWO_CTAS = (112, 112)
+# Shared memory of one SM (sm_90a, sm_100a: 228 KiB), of which the hardware reserves 1 KiB per resident CTA
+SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 233472, 1024
 Z_CHUNK = 16
 # How the two consumer warpgroups share the work: "cooperative" = both on one 128-row tile (64 rows each);
 # "pingpong" = each on its own 64-row tile, alternating, so one warpgroup's epilogue runs while the other's
@@ -119,6 +125,10 @@ class GemmPlan:
     # FP8 weight gradients: bytes of fp32 scales each stage also holds (the K block's scales of the tile's A and B
     # columns, TMA-loaded with the operands: (tile_m + bn) * 4); 0 elsewhere
     stage_scale_bytes: int = 0
+    # persistent CTAs resident per SM: 1, or 2 (BF16 weight gradients of tile N <= 128 on sm_90a): the kernel then
+    # launches two CTAs per SM, each with half the SM's shared memory (stages refit) and registers (REGS_TWO_CTAS),
+    # so that one CTA's epilogue runs while the other's wgmma keeps the tensor cores busy (the hardware's ping-pong)
+    ctas_per_sm: int = 1
 
     @property
     def tile_m(self) -> int:
@@ -127,8 +137,8 @@ class GemmPlan:
 
     @property
     def regs(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread (setmaxnreg), by how A is loaded (REGS)."""
-        return REGS[self.a_load]
+        """(producer, consumer) registers per thread (setmaxnreg), by how A is loaded (REGS), or the two-CTA split."""
+        return REGS_TWO_CTAS if self.ctas_per_sm == 2 else REGS[self.a_load]
 
     def k_tiles_for(self, k: int) -> int:
         """K tiles of this GEMM for a K of k: 1-byte operands (FP8, MXFP8) take a partial last tile (TMA reads zeros
@@ -149,7 +159,10 @@ class GemmPlan:
                 + epi_sets * self.tile_m * self.epi_n * ELEM_BYTES * self.epi_stages + BARRIER_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["ctas_per_sm"] == 1:   # plans from before the knob keep their dicts (and cache keys)
+            del d["ctas_per_sm"]
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GemmPlan:
@@ -276,6 +289,14 @@ class Plan:
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def smem_budget(arch: Arch, g: GemmPlan) -> int:
+    """Bytes of shared memory one CTA of GEMM `g` may use: the arch's per-CTA limit, or with ctas_per_sm CTAs
+    sharing an SM its share of the SM's (less the 1 KiB the hardware reserves per CTA)."""
+    if g.ctas_per_sm == 1:
+        return arch.smem_per_cta
+    return min(arch.smem_per_cta, SMEM_PER_SM // g.ctas_per_sm - SMEM_RESERVED_PER_CTA)
 
 
 def _fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:

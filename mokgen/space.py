@@ -52,7 +52,8 @@ BACKWARD_SEARCH_AXES = ("dgrad1_bn", "dgrad1_consumer", "dgrad1_z_load", "dgrad1
                         "wgrad1_bn", "wgrad1_stages", "wgrad1_raster_group", "wgrad1_epi_n", "wgrad1_epi_stages",
                         "wgrad1_epi_store", "wgrad2_bn", "wgrad2_stages", "wgrad2_raster_group", "wgrad2_epi_n",
                         "wgrad2_epi_stages", "wgrad2_epi_store", "dgrad1_promote", "dgrad2_promote", "bwd_streams", "bwd_x_cols",
-                        "wgrad1_dtype", "wgrad2_dtype", "wgrad1_promote", "wgrad2_promote")
+                        "wgrad1_dtype", "wgrad2_dtype", "wgrad1_promote", "wgrad2_promote",
+                        "wgrad1_ctas_per_sm", "wgrad2_ctas_per_sm")
 
 
 SM90 = ArchSpace(
@@ -156,6 +157,10 @@ SM90 = ArchSpace(
         Knob("epi_stages", _WGRAD, (2, 4), search=(2, 4),
              doc="wgrad: epilogue smem buffers; as many as the tile has slices, and the tile's store never waits "
                  "for an earlier TMA store to have read its buffer (more smem: fewer stages may fit)"),
+        Knob("ctas_per_sm", _WGRAD, (1, 2), search=(1, 2),
+             doc="BF16 wgrad: persistent CTAs per SM; 2 = two CTAs of half the shared memory and registers each "
+                 "(tile N <= 128, set to 128 unless given), so one CTA's epilogue overlaps the other's wgmma; "
+                 "derived: 1"),
     ),
     min_stages=_MIN_STAGES,
     max_stages=_MAX_STAGES,

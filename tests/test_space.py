@@ -132,7 +132,7 @@ def test_every_backward_variant_satisfies_the_constraints(name):
             want = {"bn": f"BN = {value}", "stages": f"STAGES = {value}", "raster_group": f"RASTER = {value}",
                     "z_chunk": f"Z_CHUNK = {value}", "consumer": "PINGPONG = True" if value == "pingpong" else
                     "PINGPONG = False", "epi_n": f"EPI_N = {value}", "epi_stages": f"EPI_STAGES = {value}",
-                    "epi_store": f"EPI_RING = {value == 'ring'}",
+                    "epi_store": f"EPI_RING = {value == 'ring'}", "ctas_per_sm": f"CTAS_PER_SM = {value}",
                     "z_load": "Z_PIPE = True" if value == "pipe" else f"Z_TMA = {value == 'tma'}"}[field]
             assert want in text, (cfg, want)
 
