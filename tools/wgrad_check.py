@@ -92,7 +92,7 @@ def render(p: dict, name: str = "wgrad") -> str:
     from mokgen.emit import _environment  # the emit stage's jinja2 setup (filters the block library uses)
 
     env = _environment()
-    ctx = {"epi_ring": False, "epi_w": 0, "fp8": False, "promote": "serial", "mma_split": 1, "pdl": False,
+    ctx = {"epi_ring": False, "epi_w": 0, "fp8": False, "promote": "serial", "mma_split": 1, "ctas_per_sm": 1, "pdl": False,
            "pdl_tail": False, **{k: v for k, v in p.items() if k != "smem"}}
     table = "wgrad1_acc" if ctx["accumulate"] else "wgrad1"
     title = (f"wgrad {name}: out[{ctx['groups']}, {ctx['m_out']}, {ctx['n_out']}] "
