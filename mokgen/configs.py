@@ -302,10 +302,8 @@ def _check_backward_plan(plan: Any) -> list[str]:
         if g.smem_bytes() > (lim := P.smem_budget(a, g)):
             out.append(f"{where}: {g.stages} stages need {g.smem_bytes()} B of shared memory > {lim}"
                        + (f" ({g.ctas_per_sm} CTAs per SM)" if g.ctas_per_sm > 1 else ""))
-        if g.ctas_per_sm not in sp_.values("ctas_per_sm", "wgrad1") or (g.ctas_per_sm > 1 and (
-                k is not None or g.elem_bytes != P.ELEM_BYTES or g.bn > P.TWO_CTAS_MAX_BN or a.has_tcgen05)):
-            out.append(f"{where}.ctas_per_sm {g.ctas_per_sm}: more than one CTA per SM is built for sm_90a BF16 "
-                       f"weight gradients of tile N <= {P.TWO_CTAS_MAX_BN} only")
+        if (why := P.ctas_per_sm_problem(g, a)) is not None:
+            out.append(f"{where}.ctas_per_sm: {why}")
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{where}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "
                        f"{P._consumer_regs(a)}")

@@ -383,7 +383,7 @@ def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: 
 
 def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
     """templates/sm90/wgrad.py.j2: out[g] (M x N) = A[rows of g]ᵀ . B[rows of g], fp32 accumulate."""
-    from .plan import backward_shape
+    from .plan import backward_shape, ctas_per_sm_problem, get_arch
 
     g = getattr(plan.backward, name)
     m, n, _ = backward_shape(plan.spec, name)
@@ -404,9 +404,8 @@ def _wgrad_params(plan: Plan, name: str, accumulate: bool) -> dict[str, Any]:
         if g.mma_split == 2 and g.promote not in FP8_SPLIT_PROMOTES:
             raise EmitError(f"{what}.promote: the 128 x 256 FP8 wgrad promotes its halves in turn (serial, or "
                             f"stagger), got {g.promote!r}")
-    if g.ctas_per_sm not in (1, 2) or (g.ctas_per_sm == 2 and (fp8 or g.bn > 128)):
-        raise EmitError(f"{what}.ctas_per_sm: 1, or 2 for a BF16 wgrad of tile N <= 128 (half the registers), got "
-                        f"{g.ctas_per_sm} with tile N {g.bn}{' (FP8)' if fp8 else ''}")
+    if (why := ctas_per_sm_problem(g, get_arch(plan.arch))) is not None:
+        raise EmitError(f"{what}.ctas_per_sm: {why}")
     if not accumulate:
         _check_smem(plan, g.smem_bytes(), f"{what}: {g.stages} stages", g)
     epi_ring, epi_w = _epi_ring(g, 1, what) if not accumulate else (False, 0)

@@ -95,8 +95,20 @@ WGRAD_TILE_EPI_MAX_ROWS = 192
 WGRAD_SMEM_EPI_MAX_ROWS = 256
 WGRAD_TILE_EPI = dict(epi_n=64, epi_stages=4)
 # the widest wgrad tile N with two CTAs per SM (GemmPlan.ctas_per_sm): a 128 x 128 tile's accumulator is 64
-# registers per consumer thread, within the 104 that half an SM's registers give (REGS_TWO_CTAS)
+# registers per consumer thread, within the 112 a thread of two 288-thread CTAs has (REGS_TWO_CTAS)
 TWO_CTAS_MAX_BN = 128
+
+
+def ctas_per_sm_problem(g: GemmPlan, arch: Arch) -> str | None:
+    """Why GEMM plan `g` cannot run with its ctas_per_sm (one-line reason), or None: more than one CTA per SM is
+    the sm_90a BF16 weight-gradient template's form (templates/sm90/wgrad.py.j2), for tile N <= TWO_CTAS_MAX_BN."""
+    if g.ctas_per_sm not in _SPACE.values("ctas_per_sm", "wgrad1"):
+        return f"must be one of {', '.join(map(str, _SPACE.values('ctas_per_sm', 'wgrad1')))}, got {g.ctas_per_sm}"
+    if g.ctas_per_sm > 1 and (g.k_tiles != 0 or g.elem_bytes != ELEM_BYTES or g.bn > TWO_CTAS_MAX_BN
+                              or arch.has_tcgen05):
+        return (f"{g.ctas_per_sm} CTAs per SM are built for sm_90a BF16 weight gradients of tile N <= "
+                f"{TWO_CTAS_MAX_BN} only (got tile N {g.bn}{', FP8' if g.elem_bytes == 1 else ''} on {arch.name})")
+    return None
 A_LOADS = _SPACE.values("a_load", "gemm1")
 OVERRIDES = _override_keys("sm_90a")  # every knob's keys (mokgen.space)
 CLUSTERS = _SPACE.values("cluster", "gemm1")
@@ -1567,7 +1579,7 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
 def _ctas_per_sm_override(spec: Spec, a: Arch, bm: int, name: str, g: GemmPlan,
                           overrides: Mapping[str, Any]) -> GemmPlan:
     """Wgrad `name` with ``<name>_ctas_per_sm``: 2 CTAs per SM take tile N <= TWO_CTAS_MAX_BN (the accumulator of a
-    128 x bn tile, bn / 2 registers per consumer thread, within REGS_TWO_CTAS' 104): without an explicit
+    128 x bn tile, bn / 2 registers per consumer thread, within REGS_TWO_CTAS' 112): without an explicit
     ``<name>_bn`` a wider default tile becomes TWO_CTAS_MAX_BN. The stages refit to the CTA's half of the SM's
     shared memory (the output path as the tile's default)."""
     key = f"{name}_ctas_per_sm"
