@@ -2,11 +2,20 @@
 """Does the host keep the GPU waiting in a training step? Time forward+backward under autograd eagerly and
 replayed from a CUDA graph (the same step captured), alternately, in the same process.
 
-    python tools/graph_vs_eager.py SPEC [...] [--rounds 3] [--json OUT]
+    python tools/graph_vs_eager.py SPEC [...] [--rounds 3] [--json OUT] [--profile N] [--profile-out FILE]
 
 A graph replay has no host work between kernels, so (graph ms) is the GPU's own time of the step and
-(eager ms - graph ms) what the host costs the eager step. Timing: triton do_bench medians (L2 flushed), rounds
+(eager ms - graph ms) what the host costs the eager step. Not for FP8 / MXFP8 specs: their captured step also
+quantizes the weights (nothing is cached while capturing, so a replay never uses stale copies), which the eager
+step does only when the weights change (``graph_includes_weight_quant`` in the record); use ``--profile``'s host
+times there. Timing: triton do_bench medians (L2 flushed), rounds
 interleaved (eager, graph, eager, graph, ...) so both see the same clock regime.
+
+``--profile N``: after the timing, the host's enqueue time of the forward and the backward (``host_fwd_ms``,
+``host_bwd_ms``: medians of N steps each started on an idle GPU, beside their GPU time ``synced_step_gpu_ms``), then
+N steps under cProfile (each from an idle GPU: the host's Python time per function), the top functions by own
+time printed and the whole table appended to ``--profile-out``; ``profile_host_ms`` is the profiled steps' host
+time (the profiler's cost included).
 """
 from __future__ import annotations
 
@@ -34,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--profile", type=int, default=0, help="eager steps to run under cProfile (0: none)")
+    ap.add_argument("--profile-out", default=None, help="file the profiles' tables are appended to")
+    ap.add_argument("--profile-top", type=int, default=25, help="functions printed per profile")
     a = ap.parse_args(argv)
     out = open(a.json, "a") if a.json else None
     for name in a.specs:
@@ -43,12 +55,14 @@ def main(argv=None) -> int:
         leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, tw, w1, w2, b1, b2)]
         dy = torch.randn(spec.tokens, spec.hidden, device="cuda", dtype=torch.bfloat16)
 
-        def step():
+        def fwd():
             for t in leaves:
                 if t is not None:
                     t.grad = None
-            y = mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], moe=moe)
-            y.backward(dy)
+            return mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], moe=moe)
+
+        def step():
+            fwd().backward(dy)
 
         step()
         s = torch.cuda.Stream()
@@ -73,7 +87,13 @@ def main(argv=None) -> int:
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
         rec = dict(spec=name, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                    eager_ms=med(eager), graph_ms=med(graph), eager_rounds=eager, graph_rounds=graph,
-                   host_loop_ms=host_ms, method="triton do_bench median, L2 flushed, rounds interleaved")
+                   host_loop_ms=host_ms, method="triton do_bench median, L2 flushed, rounds interleaved",
+                   # FP8 / MXFP8: the weights' quantization is captured too (ops._Fp8Weights caches nothing while
+                   # capturing), so a replay re-quantizes them: graph_ms is then not the eager step's GPU time
+                   graph_includes_weight_quant=spec.dtype != "bf16")
+        if a.profile > 0:
+            rec.update(_host_times(fwd, dy, a.profile))
+            rec["profile_host_ms"] = _profile(step, a.profile, name, a.profile_top, a.profile_out)
         print(f"{name:20s} eager {rec['eager_ms']:.3f} ms  graph {rec['graph_ms']:.3f} ms  "
               f"(eager/graph {rec['eager_ms'] / rec['graph_ms']:.3f}; rounds {[round(v, 3) for v in eager]} / "
               f"{[round(v, 3) for v in graph]}); host loop {host_ms:.3f} ms per step")
@@ -81,6 +101,65 @@ def main(argv=None) -> int:
             out.write(json.dumps(rec) + "\n")
             out.flush()
     return 0
+
+
+def _host_times(fwd, dy, n: int) -> dict:
+    """The host's enqueue time of the forward and of the backward, each step started on an idle GPU (synchronized
+    before it, so no launch waits for a full queue): medians over ``n`` steps, and the GPU time of the same steps
+    (CUDA events around forward + backward)."""
+    tf, tb, gpu = [], [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        y = fwd()
+        t1 = time.perf_counter()
+        y.backward(dy)
+        e1.record()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        tf.append((t1 - t0) * 1e3)
+        tb.append((t2 - t1) * 1e3)
+        gpu.append(e0.elapsed_time(e1))
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    r = dict(host_fwd_ms=med(tf), host_bwd_ms=med(tb), synced_step_gpu_ms=med(gpu))
+    print(f"    host enqueue on an idle GPU: forward {r['host_fwd_ms']:.3f} ms, backward {r['host_bwd_ms']:.3f} ms; "
+          f"the same steps' GPU time (events, from an idle start) {r['synced_step_gpu_ms']:.3f} ms")
+    return r
+
+
+def _profile(step, n: int, name: str, top: int, out_path: str | None) -> float:
+    """``n`` eager steps under cProfile, each from an idle GPU; prints the ``top`` functions by own time, appends
+    the whole table to ``out_path``; returns the host time per step (ms) of the profiled steps (cProfile's own cost
+    included)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    host = 0.0
+    for _ in range(n):
+        torch.cuda.synchronize()   # every step from an idle GPU: no launch waits for a full queue
+        t0 = time.perf_counter()
+        prof.enable()
+        step()
+        prof.disable()
+        host += time.perf_counter() - t0
+    host_ms = host / n * 1e3
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+    st.print_stats(top)
+    print(f"--- {name}: cProfile of {n} eager steps, {host_ms:.3f} ms host time per step (profiler included)")
+    print("\n".join(buf.getvalue().splitlines()[-(top + 3):]))
+    if out_path:
+        full = io.StringIO()
+        pstats.Stats(prof, stream=full).sort_stats("tottime").print_stats(80)
+        pstats.Stats(prof, stream=full).sort_stats("cumulative").print_stats(60)
+        with open(out_path, "a") as f:
+            f.write(f"===== {name}: {n} steps, {host_ms:.3f} ms per step\n{full.getvalue()}\n")
+    return host_ms
 
 
 if __name__ == "__main__":
