@@ -93,6 +93,13 @@ WGRAD_TILE_EPI_MAX_ROWS = 192
 # more than WGRAD_TILE_EPI_MAX_ROWS and at most WGRAD_SMEM_EPI_MAX_ROWS rows (4 K steps of 64) store through
 # the whole-tile buffers (epi_store "smem"); the others keep the ring.
 WGRAD_SMEM_EPI_MAX_ROWS = 256
+# ... and in that same class (routed groups averaging more than WGRAD_TILE_EPI_MAX_ROWS and at most
+# WGRAD_SMEM_EPI_MAX_ROWS rows; BF16 wgrads of Hopper BF16 specs) their tile N is 128 instead of the widest that
+# divides. Measured on the H100, bench_backward, mokgen only, same process, interleaved rounds (bench/NOTES.md v34,
+# v35): qwen3-30b-a3b forward+backward 2.876 vs 2.932 ms (3 rounds), 2.860 vs 2.912 (6 rounds), 2.826 vs 2.899
+# (6 rounds, another lease): 1.8-2.5% faster in all three calls. Outside the class it lost: gpt-oss-120b (128
+# rows) 11.057 vs 10.804 ms, qwen3.5-397b-a17b (~2560 rows) 3.331 vs 3.288 (v34). Not measured on the H200.
+WGRAD_SMALL_GROUPS_BN = 128
 WGRAD_TILE_EPI = dict(epi_n=64, epi_stages=4)
 # the widest wgrad tile N with two CTAs per SM (GemmPlan.ctas_per_sm): a 128 x 128 tile's accumulator is 64
 # registers per consumer thread, within the 112 a thread of two 288-thread CTAs has (REGS_TWO_CTAS)
@@ -250,6 +257,8 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     A wgrad's output path is :func:`_wgrad_output`'s, or with `ring` (an explicit ``epi_store`` ring) the ring's
     own staging and stages wherever the tile allows it."""
     m, n, k = backward_shape(spec, name)
+    if bn is None and k is None and _wgrad_small_groups(spec, arch) and n % WGRAD_SMALL_GROUPS_BN == 0:
+        bn = WGRAD_SMALL_GROUPS_BN
     if bn is None:
         bn = next(b for b in BWD_BN_CHOICES if n % b == 0 and _gemm_problem(spec, arch, 2, b) is None)
     g = GemmPlan(
@@ -271,14 +280,20 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     return _wgrad_output(spec, arch, g) if k is None and not ring else _with_epi_store(g)
 
 
-def _wgrad_smem_rows(spec: Spec, arch: Arch, g: GemmPlan) -> bool:
-    """Whether wgrad `g` stores its output through whole-tile smem buffers by default (WGRAD_SMEM_EPI_MAX_ROWS): a
-    BF16 wgrad of a Hopper BF16 spec whose routed groups average more than WGRAD_TILE_EPI_MAX_ROWS and at most
-    WGRAD_SMEM_EPI_MAX_ROWS rows. FP8 specs' and sm_100a's wgrads keep theirs (not measured)."""
-    return (spec.dtype == "bf16" and not arch.has_tcgen05 and g.elem_bytes == ELEM_BYTES
-            and g.bn % WGRAD_TILE_EPI["epi_n"] == 0
+def _wgrad_small_groups(spec: Spec, arch: Arch) -> bool:
+    """The class whose BF16 wgrads get the whole-tile smem output path and 128-column tiles by default: a Hopper
+    BF16 spec whose routed groups average more than WGRAD_TILE_EPI_MAX_ROWS and at most WGRAD_SMEM_EPI_MAX_ROWS
+    rows. FP8 specs' and sm_100a's wgrads keep theirs (not measured)."""
+    return (spec.dtype == "bf16" and not arch.has_tcgen05
             and WGRAD_TILE_EPI_MAX_ROWS * spec.local_experts < spec.routed_rows
             <= WGRAD_SMEM_EPI_MAX_ROWS * spec.local_experts)
+
+
+def _wgrad_smem_rows(spec: Spec, arch: Arch, g: GemmPlan) -> bool:
+    """Whether wgrad `g` stores its output through whole-tile smem buffers by default (WGRAD_SMEM_EPI_MAX_ROWS): a
+    BF16 wgrad of the _wgrad_small_groups class whose tile N the buffers' slices divide."""
+    return (_wgrad_small_groups(spec, arch) and g.elem_bytes == ELEM_BYTES
+            and g.bn % WGRAD_TILE_EPI["epi_n"] == 0)
 
 
 def _wgrad_output(spec: Spec, arch: Arch, g: GemmPlan) -> GemmPlan:

@@ -255,7 +255,8 @@ def test_wgrad_output_path_by_group_rows():
     """The BF16 weight gradients of BF16 specs buffer their whole tile's output in shared memory (WGRAD_TILE_EPI,
     epi_store "smem", as many stages as then fit) where the routed groups average more than
     WGRAD_TILE_EPI_MAX_ROWS and at most WGRAD_SMEM_EPI_MAX_ROWS rows, and store through the stage ring otherwise;
-    FP8 specs and explicit overrides are not touched by the rule."""
+    FP8 specs and explicit overrides are not touched by the rule. In the same class the tile N is
+    WGRAD_SMALL_GROUPS_BN (128) instead of the widest that divides."""
     import mokgen.plan as P
 
     seen = set()
@@ -263,27 +264,43 @@ def test_wgrad_output_path_by_group_rows():
         spec = load_spec(preset.name)
         plan = P.solve(spec, "sm_90a")
         rows = spec.routed_rows / spec.local_experts
-        for g in (plan.backward.wgrad1, plan.backward.wgrad2):
+        widest = {n: next(b for b in P.BWD_BN_CHOICES if P.backward_shape(spec, n)[1] % b == 0
+                          and P._gemm_problem(spec, P.get_arch("sm_90a"), 2, b) is None)
+                  for n in ("wgrad1", "wgrad2")}
+        for name, g in (("wgrad1", plan.backward.wgrad1), ("wgrad2", plan.backward.wgrad2)):
             if spec.dtype == "bf16" and P.WGRAD_TILE_EPI_MAX_ROWS < rows <= P.WGRAD_SMEM_EPI_MAX_ROWS:
                 assert (g.epi_store, g.epi_n, g.epi_stages) == ("smem", 64, 4), preset.name
                 assert g.stages == P._stages_most(P.get_arch("sm_90a"), g), preset.name
+                assert g.bn == P.WGRAD_SMALL_GROUPS_BN, preset.name
                 seen.add("smem")
             else:
                 assert g.epi_store == "ring", preset.name
+                if spec.dtype == "bf16":
+                    assert g.bn == widest[name], preset.name
                 seen.add("ring")
     assert seen == {"smem", "ring"}   # both sides of the rule are exercised by the presets
-    ring = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring").backward
+    q30 = load_spec("qwen3-30b-a3b")
+    # the tile rule's default is exactly the plan measured as the override (bench/NOTES.md v34, v35), and the
+    # widest tile asked for gives back the plan before the rule (256 columns, 3 stages beside the buffers)
+    default = P.solve(q30, "sm_90a").backward
+    assert default == P.solve(q30, "sm_90a", wgrad1_bn=128, wgrad2_bn=128).backward
+    wide = P.solve(q30, "sm_90a", wgrad1_bn=256, wgrad2_bn=256).backward
+    assert (wide.wgrad1.bn, wide.wgrad1.stages, wide.wgrad1.epi_store) == (256, 3, "smem")
+    assert (default.wgrad1.bn, default.wgrad1.stages) == (128, 5)
+    ring = P.solve(q30, "sm_90a", wgrad1_epi_store="ring").backward
     assert (ring.wgrad1.epi_store, ring.wgrad2.epi_store) == ("ring", "smem")
     # the ring asked for on a rule shape is the ring of the shapes whose default it is (its own staging and
     # stages: the pre-rule default, bench/NOTES.md v21), not the ring squeezed beside the whole-tile buffers
-    old = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring", wgrad1_epi_n=32,
-                  wgrad1_epi_stages=2, wgrad1_stages=4).backward.wgrad1
-    assert ring.wgrad1 == old and (old.epi_n, old.epi_stages, old.stages) == (32, 2, 4)
-    assert P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", epi_store="ring").backward.wgrad2.stages == 4
-    mine = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_store="ring", wgrad1_stages=3,
+    old = P.solve(q30, "sm_90a", wgrad1_epi_store="ring", wgrad1_epi_n=32,
+                  wgrad1_epi_stages=2, wgrad1_stages=6).backward.wgrad1
+    assert ring.wgrad1 == old and (old.bn, old.epi_n, old.epi_stages, old.stages) == (128, 32, 2, 6)
+    old = P.solve(q30, "sm_90a", wgrad1_bn=256, wgrad1_epi_store="ring").backward.wgrad1
+    assert (old.bn, old.epi_n, old.epi_stages, old.stages) == (256, 32, 2, 4)   # the ring before both rules
+    assert P.solve(q30, "sm_90a", epi_store="ring").backward.wgrad2.stages == 6
+    mine = P.solve(q30, "sm_90a", wgrad1_epi_store="ring", wgrad1_stages=3,
                    wgrad1_epi_n=64).backward.wgrad1   # the ones named keep their values
     assert (mine.epi_store, mine.stages, mine.epi_n, mine.epi_stages) == ("ring", 3, 64, 2)
-    kept = P.solve(load_spec("qwen3-30b-a3b"), "sm_90a", wgrad1_epi_n=32, wgrad2_epi_stages=2).backward
+    kept = P.solve(q30, "sm_90a", wgrad1_epi_n=32, wgrad2_epi_stages=2).backward
     assert (kept.wgrad1.epi_store, kept.wgrad1.epi_n, kept.wgrad2.epi_stages) == ("smem", 32, 2)   # overrides kept
 
 
