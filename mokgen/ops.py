@@ -521,7 +521,7 @@ class _MxWeights:
         import weakref
 
         make = mx_ops.quantize_w_cols if kernel.endswith("_cols") else mx_ops.quantize_w
-        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _capturing(w):
             return make(fns, w, kernel)
         key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         hit = self._by_key.get((id(w), kernel))
@@ -538,23 +538,39 @@ class _MxWeights:
         return made
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Is a CUDA graph being captured on the current stream of ``t``'s device (never for CPU tensors)?"""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class _Fp8Weights:
     """The e4m3 copies of the BF16 master weights one CompiledMoE has been called with, per weight tensor:
     re-quantized when the tensor's version counter (bumped by every in-place update, ``optimizer.step()``
     included), storage or shape changes, so a copy is never stale. Keyed by the tensor object (weakly: a dropped
     weight drops its copy); another tensor object with the same storage gets its own copy.
-    Inside a CUDA-graph capture nothing is cached: the quantization is captured and reruns on every replay."""
+    Inside a CUDA-graph capture nothing is cached across calls: the quantization is captured and reruns on every
+    replay. Within one captured training step the backward takes the copies its own forward made (``step``: the
+    forward's saved z, which identifies the call), as an eager step takes them from the cache, instead of capturing
+    the quantization a second time (it cost a replay of qwen3-30b-a3b-fp8's step 1.3 ms of 4.8 on an H100:
+    bench/NOTES.md v35). Those are held only from the captured forward to its backward, and dropped at the first
+    call outside a capture."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple] = {}   # id(w) -> (weakref to w, key, (q, s) or (q, s, qt, st))
+        # (z.data_ptr(), id(w)) -> (weakref to w, key, (q, s, qt, st)): a captured training forward's copies
+        self._captured: dict[tuple[int, int], tuple] = {}
 
-    def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False) -> tuple:
+    def get(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool = False,
+            step: torch.Tensor | None = None, backward: bool = False) -> tuple:
         """``(q, s)`` of w, or with ``transpose`` ``(q, s, qt, st)`` (also the K-major copy of w transposed, which
-        the FP8 dgrad GEMMs read), from the cache when w has not changed since they were made."""
+        the FP8 dgrad GEMMs read), from the cache when w has not changed since they were made. ``step`` (a
+        training call's saved z) ties a captured forward's copies (``transpose``, ``backward`` False: kept) to
+        that call's captured backward (``backward`` True: taken)."""
         import weakref
 
-        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return fp8_ops.quantize_w(fns, w, transpose=transpose)
+        if _capturing(w):
+            return self._in_capture(fns, w, transpose, step, backward)
+        self._captured.clear()
         key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
         hit = self._by_id.get(id(w))
         if hit is not None and hit[0]() is w and hit[1] == key and (len(hit[2]) == 4 or not transpose):
@@ -567,6 +583,23 @@ class _Fp8Weights:
                 del by_id[i]
 
         by_id[id(w)] = (weakref.ref(w, drop), key, made)
+        return made
+
+    def _in_capture(self, fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose: bool,
+                    step: torch.Tensor | None, backward: bool) -> tuple:
+        import weakref
+
+        if step is None:
+            return fp8_ops.quantize_w(fns, w, transpose=transpose)
+        k, key = (step.data_ptr(), id(w)), (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        if backward:
+            hit = self._captured.pop(k, None)
+            if hit is not None and hit[0]() is w and hit[1] == key:
+                return hit[2] if transpose else hit[2][:2]
+            return fp8_ops.quantize_w(fns, w, transpose=transpose)
+        made = fp8_ops.quantize_w(fns, w, transpose=transpose)
+        if transpose:   # a training forward: its backward reads the transposed copies
+            self._captured[k] = (weakref.ref(w), key, made)
         return made
 
 
@@ -953,8 +986,8 @@ class CompiledMoE:
         else:
             xq, xs = fp8_ops.quantize_gathered_rows(f, x, row_src, meta)
         t = self.trainable   # the backward's dgrads read the transposed copies: made with the forward's
-        w1q, w1s = self._fp8_weights.get(f, w1, transpose=t)[:2]
-        w2q, w2s = self._fp8_weights.get(f, w2, transpose=t)[:2]
+        w1q, w1s = self._fp8_weights.get(f, w1, transpose=t, step=z)[:2]
+        w2q, w2s = self._fp8_weights.get(f, w2, transpose=t, step=z)[:2]
         # h's 1 x 128 quantization for GEMM 2: in GEMM 1's epilogue (plan gemm1.h_quant "epilogue": its tables
         # gemm1*_hq_fp8 take the e4m3 rows and scales, and the bf16 h is not written), else by quant_rows_used
         hq_kw = fp8_ops.alloc_rows(h) if self.fp8_h_quant else {}
@@ -1198,7 +1231,7 @@ class CompiledMoE:
                     dq, dsc, dOt, dOs = fp8_ops.quantize_gathered_both(f, dy, sv.row_src, sv.meta)
                 else:
                     dq, dsc = fp8_ops.quantize_gathered_rows(f, dy, sv.row_src, sv.meta)
-                w2t, w2ts = self._fp8_weights.get(f, w2, transpose=True)[2:]
+                w2t, w2ts = self._fp8_weights.get(f, w2, transpose=True, step=sv.z, backward=True)[2:]
                 call(f, "dgrad1", table="dgrad1_fp8", a=dq, w=w2t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
                      meta=sv.meta, sa=dsc, sb=w2ts, out=sa, z=sv.z, dz=dz, ds=ds, num_ctas=num_ctas)
             elif self.mx:   # dO's rows gathered and quantized along H; W2's column form (32-blocks along H)
@@ -1268,7 +1301,7 @@ class CompiledMoE:
                 if two:
                     x_rows_and_wgrad1()
             if self.fp8:   # W1's K-major transposed e4m3 copy (dz's rows quantized above)
-                w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True)[2:]
+                w1t, w1ts = self._fp8_weights.get(f, w1, transpose=True, step=sv.z, backward=True)[2:]
                 call(f, "dgrad2", table="dgrad2_fp8", a=dzq, w=w1t, bias=dummy, row=sv.row_w, tile_group=sv.tile_group,
                      meta=sv.meta, sa=dzs, sb=w1ts, out=dxs, num_ctas=num_ctas)
             elif self.mx:   # dz's used rows quantized along 2I; W1's column form (32-blocks along 2I)

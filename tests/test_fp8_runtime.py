@@ -230,3 +230,48 @@ def test_reference_gemm1_refuses_the_other_row_form():
                         allow_cpu=True)
     with pytest.raises(ValueError, match="bound to gather token rows"):
         other(x, idx, wt, w1, w2)
+
+
+def test_captured_step_quantizes_the_weights_once(monkeypatch):
+    """Inside a CUDA-graph capture (simulated: ops._capturing patched, the reference kernels run as the replay
+    would) a training step's backward takes the transposed e4m3 copies its own forward made (one quant_wt per
+    weight per step, not two); a forward without its backward, a weight changed in place between them and a call
+    outside the capture each leave nothing to take; the gradients are the same bits as the eager step's."""
+    import mokgen
+    from mokgen import ops
+
+    spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=5)
+    dy = torch.randn((x.shape[0], spec.hidden), generator=torch.Generator().manual_seed(6)).bfloat16()
+    made = []
+    real = moe._fns["quant_wt"]
+    moe._fns = {**moe._fns, "quant_wt": lambda *a: (made.append(a[0].shape), real(*a))[1]}
+
+    def step(w1_, w2_):
+        leaves = [t.clone().requires_grad_(True) for t in (x, wt)] + [w1_, w2_]
+        mokgen.moe_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], moe=moe).backward(dy)
+        return [t.grad for t in leaves]
+
+    w1e, w2e = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    eager = step(w1e, w2e)
+    assert len(made) == 2   # eager: made once, cached
+    monkeypatch.setattr(ops, "_capturing", lambda t: True)
+    made.clear()
+    w1c, w2c = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    captured = step(w1c, w2c)
+    assert sorted(made) == sorted([tuple(w1.shape), tuple(w2.shape)])   # w1 and w2 once each
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+    assert not moe._fp8_weights._captured   # the backward took what its forward kept
+    # a forward without its backward keeps its copies until a call outside the capture
+    y, saved = moe.forward_train(x, idx, wt, w1c, w2c)
+    assert len(moe._fp8_weights._captured) == 2
+    # a weight changed in place between the forward and the backward: quantized again for the backward
+    made.clear()
+    with torch.no_grad():
+        w2c.mul_(0.5)
+    moe.backward(dy, saved, x, wt, w1c, w2c)
+    assert made == [tuple(w2.shape)] and not moe._fp8_weights._captured
+    moe.forward_train(x, idx, wt, w1c, w2c)   # kept again ...
+    assert len(moe._fp8_weights._captured) == 2
+    monkeypatch.setattr(ops, "_capturing", lambda t: False)
+    moe(x, idx, wt, w1c, w2c)   # ... and dropped by the first call outside the capture
+    assert not moe._fp8_weights._captured

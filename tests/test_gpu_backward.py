@@ -502,9 +502,10 @@ def test_main_grad_keeps_empty_experts(case):
 
 def test_cuda_graph_forward_backward(case):
     """A whole step (forward, backward into .grad) captured in a CUDA graph replays with the eager bits, and
-    recomputes on new data copied into the static inputs."""
+    recomputes on new data copied into the static inputs and after the weights change in place."""
     spec, moe, inp, dy, _, _ = case
-    leaves = leaves_of(inp._replace(x=inp.x.clone(), topk_weight=inp.topk_weight.clone()))
+    leaves = leaves_of(inp._replace(x=inp.x.clone(), topk_weight=inp.topk_weight.clone(), w1=inp.w1.clone(),
+                                    w2=inp.w2.clone()))   # own weights: the test changes them in place
     x_s, tw_s, w1, w2, b1, b2 = leaves
     idx_s, dy_s = inp.topk_idx.clone(), dy.clone()
 
@@ -564,6 +565,20 @@ def test_cuda_graph_forward_backward(case):
     assert same_bits(y_s, y_n), "graph replay on new data: y differs from eager"
     for name, a in zip(NAMES, g_s):
         assert same_bits(a, getattr(g_n, name)), f"graph replay on new data: d{name} differs from eager"
+    # the weights changed in place (as optimizer.step() does) between replays: a replay computes with the new
+    # ones (FP8 / MXFP8: their quantized copies are made again inside the graph, every replay)
+    with torch.no_grad():
+        w1.mul_(0.5)
+        w2.mul_(-1.5)
+    g.replay()
+    sync()
+    y_w, g_w = autograd_call(moe, inp._replace(x=fresh.x, topk_idx=fresh.topk_idx, topk_weight=fresh.topk_weight,
+                                               w1=w1.detach(), w2=w2.detach()), dy_new)
+    sync()
+    assert not same_bits(y_w, y_n), "the weights' change did not change y"
+    assert same_bits(y_s, y_w), "graph replay after a weight update: y differs from eager"
+    for name, a in zip(NAMES, g_s):
+        assert same_bits(a, getattr(g_w, name)), f"graph replay after a weight update: d{name} differs from eager"
     del g
     moe.check_errors()
 
