@@ -11,6 +11,7 @@ step does only when the weights change (``graph_includes_weight_quant`` in the r
 times there. Timing: triton do_bench medians (L2 flushed), rounds
 interleaved (eager, graph, eager, graph, ...) so both see the same clock regime.
 
+``--graph-kernels``: the kernels one replay runs, with their times (torch.profiler), in the record and printed.
 ``--profile N``: after the timing, the host's enqueue time of the forward and the backward (``host_fwd_ms``,
 ``host_bwd_ms``: medians of N steps each started on an idle GPU, beside their GPU time ``synced_step_gpu_ms``), then
 N steps under cProfile (each from an idle GPU: the host's Python time per function), the top functions by own
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="eager steps to run under cProfile (0: none)")
     ap.add_argument("--profile-out", default=None, help="file the profiles' tables are appended to")
     ap.add_argument("--profile-top", type=int, default=25, help="functions printed per profile")
+    ap.add_argument("--graph-kernels", action="store_true", help="list the kernels of one graph replay with their "
+                    "times (torch.profiler): what the captured step runs")
     a = ap.parse_args(argv)
     out = open(a.json, "a") if a.json else None
     for name in a.specs:
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
                    # FP8 / MXFP8: the weights' quantization is captured too (ops._Fp8Weights caches nothing while
                    # capturing), so a replay re-quantizes them: graph_ms is then not the eager step's GPU time
                    graph_includes_weight_quant=spec.dtype != "bf16")
+        if a.graph_kernels:
+            rec["graph_kernels_us"] = _graph_kernels(g)
         if a.profile > 0:
             rec.update(_host_times(fwd, dy, a.profile))
             rec["profile_host_ms"] = _profile(step, a.profile, name, a.profile_top, a.profile_out)
@@ -101,6 +106,24 @@ def main(argv=None) -> int:
             out.write(json.dumps(rec) + "\n")
             out.flush()
     return 0
+
+
+def _graph_kernels(g) -> list:
+    """The kernels of one replay of graph ``g`` in start order, [(name, microseconds)], printed with their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    out = [(e.name[:80], round(e.time_range.end - e.time_range.start, 1)) for e in evs]
+    print(f"    one graph replay: {len(out)} kernels, {sum(d for _, d in out) / 1000:.3f} ms of kernel time")
+    for n, d in out:
+        print(f"      {d:9.1f} us  {n[:70]}")
+    return out
 
 
 def _host_times(fwd, dy, n: int) -> dict:

@@ -10,6 +10,12 @@ the CPU reference (mokgen.fp8_ops) on the first run; timings are CUDA-event medi
 rows read once (gathered rows: the tokens' rows once, as the floor), everything written once. Prints a table and
 appends one JSON record per kernel. (Measured slower and removed, bench/NOTES.md v24: a persistent form of the
 column quantizers prefetching the next block's rows, and 2-8 row tiles per lane group.)
+
+The weights' quantizer too (``quant_wt`` on w1 [G, 2I, H] and on w2 [G, H, I]: the e4m3 copies and their K-major
+transposed copies a training step's GEMMs read), which runs once per optimizer step (whenever the weights change),
+not once per layer call: its rows (``kernel`` "quant_wt:w1" / "quant_wt:w2") and their sum, the cost an FP8 training
+step adds per optimizer update (spread over the micro-batches of gradient accumulation). Its bits are checked on
+the first group (the CPU reference over every group would take minutes).
 """
 from __future__ import annotations
 
@@ -38,8 +44,12 @@ KERNELS = {"quant_rows_gather": ("x", fp8_ops.quantize_gathered_rows), "quant_ro
            "quant_cols_used": ("sa", fp8_ops.quantize_used_cols), "quant_cols_gather": ("x", fp8_ops.quantize_gathered_cols)}
 
 
+# the weights' quantizer, once per optimizer step: its input in :func:`inputs`
+WEIGHT_KERNELS = {"quant_wt:w1": "w1", "quant_wt:w2": "w2"}
+
+
 def build_lib(plan, out: Path) -> None:
-    build.build(emit_fp8_quant(plan, tuple(KERNELS)), plan.arch, out, progress=False)
+    build.build(emit_fp8_quant(plan, tuple(KERNELS) + ("quant_wt",)), plan.arch, out, progress=False)
 
 
 def inputs(spec, dev: str, seed: int = 0) -> dict:
@@ -53,7 +63,9 @@ def inputs(spec, dev: str, seed: int = 0) -> dict:
         x[x == 0] = 1.0
         return x
 
+    groups = spec.local_experts + spec.shared_experts
     return {"rows": rows, "bm": bm, "x": rnd(t, h), "h": rnd(rows, i), "dz": rnd(rows, 2 * i), "sa": rnd(rows, i),
+            "w1": rnd(groups, 2 * i, h) * 0.02, "w2": rnd(groups, h, i) * 0.02,
             "row_src": torch.randint(0, t, (rows,), generator=g, device=dev, dtype=torch.int32),
             "meta": torch.tensor([rows // bm, 0, 0, 0], dtype=torch.int32, device=dev)}
 
@@ -68,6 +80,12 @@ def floor_bytes(name: str, d: dict) -> int:
     rows, k = d["rows"], x.shape[1]
     one = rows * k + rows * (-(-k // 128)) * 4          # e4m3 bytes + one scale per 128 (either form)
     return x.numel() * 2 + (2 * one if name.startswith("quant_both") else one)
+
+
+def weight_floor_bytes(w: torch.Tensor) -> int:
+    """quant_wt's bytes: w read once; q, its transposed copy and both scale tables written once."""
+    g, n, k = w.shape
+    return w.numel() * 2 + 2 * (w.numel() + g * (-(-n // 128)) * (-(-k // 128)) * 4)
 
 
 def kwargs_of(name: str, d: dict, outs) -> dict:
@@ -109,10 +127,11 @@ def main(argv=None) -> int:
             plan = solve(spec, "sm_90a")
             out = Path(tmp) / spec.name
             build_lib(plan, out)
-            fns = load_library(out, tuple(KERNELS))
+            fns = load_library(out, tuple(KERNELS) + ("quant_wt",))
             ref_fns = fp8_ops.reference_quant_kernels(128)
             d = inputs(spec, dev)
-            d_cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+            d_cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.items()
+                     if k not in WEIGHT_KERNELS.values()}   # the weights: checked on group 0 only
             with tvm_ffi.use_torch_stream(torch.cuda.device(0)):
                 for name in KERNELS:
                     got = [t.clone() for t in launch(fns, name, d)]
@@ -127,6 +146,24 @@ def main(argv=None) -> int:
                     records.append(rec)
                     print(f"{spec.name:24s} {name:18s} {m:8.4f} ms {rec['gbps']:8.1f} GB/s  "
                           f"bits {'= reference' if same else 'DIFFER from the reference'}", flush=True)
+                per_update = 0.0
+                for name, src in WEIGHT_KERNELS.items():
+                    w = d[src]
+                    got = fp8_ops.quantize_w(fns, w[:1].contiguous(), transpose=True)
+                    want = fp8_ops.quantize_w(ref_fns, w[:1].cpu(), transpose=True)
+                    same = all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want))
+                    q, s_, qt, st = fp8_ops.quantize_w(fns, w, transpose=True)
+                    kw = dict(w=w, q=q, s=s_, qt=qt, st=st)
+                    m = statistics.median(timed(fns, "quant_wt", kw, max(1, a.reps // 10)) for _ in range(a.rounds))
+                    per_update += m
+                    fb = weight_floor_bytes(w)
+                    rec = {"spec": spec.name, "kernel": name, "median_ms": round(m, 5), "floor_bytes": fb,
+                           "gbps": round(fb / m / 1e6, 1), "same_bits_as_reference": same,
+                           "shape": list(w.shape), "per": "optimizer step"}
+                    records.append(rec)
+                    print(f"{spec.name:24s} {name:18s} {m:8.4f} ms {rec['gbps']:8.1f} GB/s  "
+                          f"bits (group 0) {'= reference' if same else 'DIFFER from the reference'}", flush=True)
+                print(f"{spec.name:24s} weights' quantization per optimizer step: {per_update:.4f} ms", flush=True)
     if a.out:
         p = Path(a.out)
         old = json.loads(p.read_text()) if p.exists() else []
