@@ -10,7 +10,7 @@ mokgen/emit_base.py.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jinja2
 
@@ -328,6 +328,9 @@ def emit(plan: Plan, experimental: tuple[str, ...] = ()) -> Sources:
 
 
 # the FP8 quantization kernels: template, title, template parameters (every size is symbolic: nothing from the plan)
+# the weights' quantizers' CTA: threads (256: half a block row a thread; 512: a quarter) and the launch bound's CTAs
+# per SM (0: none; ptxas then fits the registers to one CTA)
+QUANT_W_FORM = dict(threads=512, ctas_per_sm=0)
 FP8_QUANT = {
     "quant_rows": ("sm90/quant_rows.py.j2", "FP8 quantization of rows: 1x128 tiles (x, h, dO)",
                    dict(threads=256, bounded=False, gather=False)),
@@ -335,9 +338,10 @@ FP8_QUANT = {
                         "(meta[0] * BM): 1x128 tiles (h)", dict(threads=256, bounded=True, gather=False)),
     "quant_rows_gather": ("sm90/quant_rows.py.j2", "FP8 quantization of gathered token rows (x[row_src[r]] for the "
                           "used rows): GEMM 1's A operand", dict(threads=256, bounded=False, gather=True)),
-    "quant_w": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks", dict(transpose=False)),
+    "quant_w": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks",
+                dict(transpose=False, **QUANT_W_FORM)),
     "quant_wt": ("sm90/quant_w.py.j2", "FP8 quantization of weights: 128x128 blocks, and the transposed copy",
-                 dict(transpose=True)),
+                 dict(transpose=True, **QUANT_W_FORM)),
     "quant_cols": ("sm90/quant_cols.py.j2", "FP8 quantization of columns: 128x1 tiles, transposed out (wgrad)",
                    dict(bounded=False, gather=False, rows_too=False)),
     "quant_cols_used": ("sm90/quant_cols.py.j2", "FP8 quantization of the used rows' columns (meta[0] * BM): "
@@ -363,21 +367,23 @@ def fp8_quant_kernels(plan: Plan) -> tuple[str, ...]:
 
 
 def emit_fp8_quant(plan: Plan, kernels_: tuple[str, ...] | None = None, *, env: jinja2.Environment | None = None,
-                   thash: str | None = None) -> dict[str, str]:
+                   thash: str | None = None, params: Mapping[str, Any] | None = None) -> dict[str, str]:
     """{file name: source} of the FP8 quantization kernels (``kernels_``: a subset of :data:`FP8_QUANT`, default
     all) for ``plan``'s spec: templates/sm90/quant_*.py.j2, signatures from the argument table. :func:`emit`
     includes them when ``plan.spec.dtype == "fp8"``; the FP8 GEMM emit can call this directly. The kernels take
-    every size at run time, so only the header depends on the plan."""
+    every size at run time, so only the header depends on the plan. ``params`` replaces template parameters of
+    the table (a benchmark's forms, e.g. tools/quant_bench.py's ``QUANT_W_FORM`` variants)."""
     env = env or _environment()
     thash = thash or template_hash()
     out: dict[str, str] = {}
     for name in kernels_ or tuple(FP8_QUANT):
         if name not in FP8_QUANT:
             raise EmitError(f"emit_fp8_quant: unknown kernel {name!r}; known {list(FP8_QUANT)}")
-        template, title, params = FP8_QUANT[name]
+        template, title, table_params = FP8_QUANT[name]
         out[f"{name}.py"] = env.get_template(template).render(
             header=_header(plan, template, thash), name=name, title=title, spec_name=plan.spec.name, bm=plan.bm,
-            **pdl_params(plan), **params, **_table(name))
+            **pdl_params(plan), **{**table_params, **{k: v for k, v in (params or {}).items() if k in table_params}},
+            **_table(name))
     return out
 
 

@@ -43,6 +43,23 @@ def test_rendered_for_fp8_specs_only():
         emit_fp8_quant(fp8_plan(), ("quant_x",))
 
 
+def test_weight_quantizer_forms():
+    """The weights' quantizers take their CTA form from emit.QUANT_W_FORM (512 threads, no launch bound: measured
+    fastest, bench/NOTES.md v35); emit_fp8_quant's ``params`` renders another form (tools/quant_bench.py
+    --wt-forms) for the kernels whose table has those parameters and leaves the other quantizers alone."""
+    from mokgen.emit import QUANT_W_FORM
+
+    plan = fp8_plan()
+    default = emit_fp8_quant(plan, ("quant_wt", "quant_w", "quant_rows"))
+    assert QUANT_W_FORM == dict(threads=512, ctas_per_sm=0)
+    for name in ("quant_wt.py", "quant_w.py"):
+        assert "THREADS = 512\n" in default[name] and "min_blocks_per_mp" not in default[name]
+    other = emit_fp8_quant(plan, ("quant_wt", "quant_rows"), params=dict(threads=256, ctas_per_sm=3))
+    assert "THREADS = 256\n" in other["quant_wt.py"] and "CTAS_PER_SM = 3 " in other["quant_wt.py"]
+    assert "min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=50," in other["quant_wt.py"]
+    assert other["quant_rows.py"] == default["quant_rows.py"]   # no such parameters: untouched
+
+
 def _fn_args(src: str, name: str) -> list[str]:
     fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
     return [a.arg for a in fn.args.args]
@@ -82,7 +99,12 @@ def test_compile_and_ptx(built, arch):
     block of tiny values has scale 2**-126 and its elements times 2**126 are not small)."""
     art = built[arch]
     assert art.kernels == tuple(sorted(QUANT))
-    per_thread = {"quant_rows": (8, 2, 1), "quant_w": (32, 8, 4), "quant_wt": (32, 8, 8), "quant_cols": (32, 8, 4)}
+    # quant_w / quant_wt: 128 x 128 / THREADS elements a thread (emit.QUANT_W_FORM), 16 to a vector
+    from mokgen.emit import QUANT_W_FORM
+
+    per = 128 * 128 // QUANT_W_FORM["threads"]
+    per_thread = {"quant_rows": (8, 2, 1), "quant_w": (per // 2, per // 8, per // 16),
+                  "quant_wt": (per // 2, per // 8, 2 * (per // 16)), "quant_cols": (32, 8, 4)}
     for k, (cvts, loads, stores) in per_thread.items():
         ptx = (Path(art.dir) / f"{k}.ptx").read_text()
         assert f".target {arch}" in ptx

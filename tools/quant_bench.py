@@ -1,6 +1,7 @@
 """The FP8 quantizers alone on the GPU: each kernel's time and its bandwidth against the bytes it must move.
 
     python tools/quant_bench.py [--specs kimi-k2-fp8 ...] [--rounds 5] [--reps 50] [--out bench/results/quant-h100.json]
+                                [--wt-forms 256:3,512:2]
 
 For each FP8 spec the layer's six quantizers run on its training-step sizes (rows = tokens x topk rounded up to
 128, all used; gathered rows from random tokens): quant_rows_gather (x), quant_rows_used (h), quant_both_gather
@@ -108,6 +109,30 @@ def timed(fns, name: str, kw: dict, reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
+def weight_rows(spec, fns, ref_fns, d: dict, a, form: str) -> list[dict]:
+    """quant_wt on w1 and w2 (``fns``' form, labelled ``form`` in the kernel name): bits on group 0 against the
+    reference, CUDA-event medians; prints a row each and their sum (the weights' quantization per optimizer step)."""
+    recs, per_update = [], 0.0
+    for name, src in WEIGHT_KERNELS.items():
+        w = d[src]
+        got = fp8_ops.quantize_w(fns, w[:1].contiguous(), transpose=True)
+        want = fp8_ops.quantize_w(ref_fns, w[:1].cpu(), transpose=True)
+        same = all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want))
+        q, s_, qt, st = fp8_ops.quantize_w(fns, w, transpose=True)
+        kw = dict(w=w, q=q, s=s_, qt=qt, st=st)
+        m = statistics.median(timed(fns, "quant_wt", kw, max(1, a.reps // 10)) for _ in range(a.rounds))
+        per_update += m
+        fb = weight_floor_bytes(w)
+        label = name.replace("quant_wt", "quant_wt" + form)
+        recs.append({"spec": spec.name, "kernel": label, "median_ms": round(m, 5), "floor_bytes": fb,
+                     "gbps": round(fb / m / 1e6, 1), "same_bits_as_reference": same, "shape": list(w.shape),
+                     "per": "optimizer step"})
+        print(f"{spec.name:24s} {label:18s} {m:8.4f} ms {recs[-1]['gbps']:8.1f} GB/s  "
+              f"bits (group 0) {'= reference' if same else 'DIFFER from the reference'}", flush=True)
+    print(f"{spec.name:24s} weights' quantization per optimizer step{form}: {per_update:.4f} ms", flush=True)
+    return recs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--specs", nargs="+", default=["kimi-k2-fp8", "tools/specs/qwen3.5-397b-a17b-fp8.yaml"])
@@ -115,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
     ap.add_argument("--run", default=None)
+    ap.add_argument("--wt-forms", default="", help="other CTA forms of quant_wt to time beside the default, "
+                    "THREADS:CTAS_PER_SM[,...] (emit.QUANT_W_FORM; CTAS_PER_SM 0: no launch bound)")
     a = ap.parse_args(argv)
     import tvm_ffi
 
@@ -146,24 +173,14 @@ def main(argv=None) -> int:
                     records.append(rec)
                     print(f"{spec.name:24s} {name:18s} {m:8.4f} ms {rec['gbps']:8.1f} GB/s  "
                           f"bits {'= reference' if same else 'DIFFER from the reference'}", flush=True)
-                per_update = 0.0
-                for name, src in WEIGHT_KERNELS.items():
-                    w = d[src]
-                    got = fp8_ops.quantize_w(fns, w[:1].contiguous(), transpose=True)
-                    want = fp8_ops.quantize_w(ref_fns, w[:1].cpu(), transpose=True)
-                    same = all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want))
-                    q, s_, qt, st = fp8_ops.quantize_w(fns, w, transpose=True)
-                    kw = dict(w=w, q=q, s=s_, qt=qt, st=st)
-                    m = statistics.median(timed(fns, "quant_wt", kw, max(1, a.reps // 10)) for _ in range(a.rounds))
-                    per_update += m
-                    fb = weight_floor_bytes(w)
-                    rec = {"spec": spec.name, "kernel": name, "median_ms": round(m, 5), "floor_bytes": fb,
-                           "gbps": round(fb / m / 1e6, 1), "same_bits_as_reference": same,
-                           "shape": list(w.shape), "per": "optimizer step"}
-                    records.append(rec)
-                    print(f"{spec.name:24s} {name:18s} {m:8.4f} ms {rec['gbps']:8.1f} GB/s  "
-                          f"bits (group 0) {'= reference' if same else 'DIFFER from the reference'}", flush=True)
-                print(f"{spec.name:24s} weights' quantization per optimizer step: {per_update:.4f} ms", flush=True)
+                records += weight_rows(spec, fns, ref_fns, d, a, "")
+                for form in filter(None, a.wt_forms.split(",")):   # other CTA forms of quant_wt
+                    threads, ctas = (int(v) for v in form.split(":"))
+                    fdir = Path(tmp) / f"{spec.name}-wt-{threads}-{ctas}"
+                    build.build(emit_fp8_quant(plan, ("quant_wt",), params=dict(threads=threads, ctas_per_sm=ctas)),
+                                plan.arch, fdir, progress=False)
+                    records += weight_rows(spec, load_library(fdir, ("quant_wt",)), ref_fns, d, a,
+                                           f"[{threads}:{ctas}]")
     if a.out:
         p = Path(a.out)
         old = json.loads(p.read_text()) if p.exists() else []
