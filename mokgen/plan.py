@@ -97,8 +97,9 @@ WGRAD_SMEM_EPI_MAX_ROWS = 256
 # WGRAD_SMEM_EPI_MAX_ROWS rows; BF16 wgrads of Hopper BF16 specs) their tile N is 128 instead of the widest that
 # divides. Measured on the H100, bench_backward, mokgen only, same process, interleaved rounds (bench/NOTES.md v34,
 # v35): qwen3-30b-a3b forward+backward 2.876 vs 2.932 ms (3 rounds), 2.860 vs 2.912 (6 rounds), 2.826 vs 2.899
-# (6 rounds, another lease): 1.8-2.5% faster in all three calls. Outside the class it lost: gpt-oss-120b (128
-# rows) 11.057 vs 10.804 ms, qwen3.5-397b-a17b (~2560 rows) 3.331 vs 3.288 (v34). Not measured on the H200.
+# (6 rounds, another lease), and as the default against wgrad*_bn=256 2.880 vs 2.905 (6 rounds): 0.9-2.5% faster
+# in all four calls. Outside the class it lost: gpt-oss-120b (128 rows) 11.057 vs 10.804 ms, qwen3.5-397b-a17b
+# (~2560 rows) 3.331 vs 3.288 (v34). Not measured on the H200.
 WGRAD_SMALL_GROUPS_BN = 128
 WGRAD_TILE_EPI = dict(epi_n=64, epi_stages=4)
 # the widest wgrad tile N with two CTAs per SM (GemmPlan.ctas_per_sm): a 128 x 128 tile's accumulator is 64
@@ -1861,6 +1862,10 @@ def _explain_backward(plan: Plan) -> list[str]:
         extra = ""
         if name == "dgrad1":
             extra = f"; z {g.z_load} (chunk {g.z_chunk})"
+        if (name.startswith("wgrad") and g.elem_bytes == ELEM_BYTES and g.bn == WGRAD_SMALL_GROUPS_BN
+                and _wgrad_small_groups(spec, get_arch(plan.arch))):
+            extra = (f"; tile N {WGRAD_SMALL_GROUPS_BN}: routed groups of {WGRAD_TILE_EPI_MAX_ROWS + 1}-"
+                     f"{WGRAD_SMEM_EPI_MAX_ROWS} rows (bench/NOTES.md v35)")
         if name == "wgrad1" and g.elem_bytes == 1:   # where x's 128 x 1 columns come from (plan bwd_x_cols)
             extra = ("; x's columns from the training forward's x quantizer (quant_both_gather), saved"
                      if b.x_cols == "forward" else "; x's columns quantized here (quant_cols_gather)")
