@@ -508,6 +508,17 @@ def is_mxfp8(plan: Any) -> bool:
     return getattr(getattr(plan, "spec", None), "dtype", "bf16") == "mxfp8"
 
 
+def _weight_key(w: torch.Tensor) -> tuple:
+    """What a quantized copy of weight ``w`` was made from: its version counter (bumped by every in-place update),
+    storage, shape and dtype. A copy whose key differs from the weight's now is stale."""
+    return (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Is a CUDA graph being captured on the current stream of ``t``'s device (never for CPU tensors)?"""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class _MxWeights:
     """The MXFP8 copies of the BF16 master weights, per (weight tensor, quantizer kernel): ``quant_mx_w1`` /
     ``quant_mx_w2`` (the forward GEMMs' K-major form) and ``quant_mx_w1_cols`` / ``quant_mx_w2_cols`` (the
@@ -523,7 +534,7 @@ class _MxWeights:
         make = mx_ops.quantize_w_cols if kernel.endswith("_cols") else mx_ops.quantize_w
         if _capturing(w):
             return make(fns, w, kernel)
-        key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        key = _weight_key(w)
         hit = self._by_key.get((id(w), kernel))
         if hit is not None and hit[0]() is w and hit[1] == key:
             return hit[2]
@@ -536,11 +547,6 @@ class _MxWeights:
 
         by_key[(id(w), kernel)] = (weakref.ref(w, drop), key, made)
         return made
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    """Is a CUDA graph being captured on the current stream of ``t``'s device (never for CPU tensors)?"""
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Fp8Weights:
@@ -571,7 +577,7 @@ class _Fp8Weights:
         if _capturing(w):
             return self._in_capture(fns, w, transpose, step, backward)
         self._captured.clear()
-        key = (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        key = _weight_key(w)
         hit = self._by_id.get(id(w))
         if hit is not None and hit[0]() is w and hit[1] == key and (len(hit[2]) == 4 or not transpose):
             return hit[2] if transpose else hit[2][:2]
@@ -591,7 +597,7 @@ class _Fp8Weights:
 
         if step is None:
             return fp8_ops.quantize_w(fns, w, transpose=transpose)
-        k, key = (step.data_ptr(), id(w)), (w._version, w.data_ptr(), tuple(w.shape), w.dtype)
+        k, key = (step.data_ptr(), id(w)), _weight_key(w)
         if backward:
             hit = self._captured.pop(k, None)
             if hit is not None and hit[0]() is w and hit[1] == key:

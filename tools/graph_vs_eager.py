@@ -2,11 +2,11 @@
 """Does the host keep the GPU waiting in a training step? Time forward+backward under autograd eagerly and
 replayed from a CUDA graph (the same step captured), alternately, in the same process.
 
-    python tools/graph_vs_eager.py SPEC [...] [--rounds 3] [--json OUT] [--profile N] [--profile-out FILE]
+    python tools/graph_vs_eager.py SPEC [...] [--rounds 3] [--json OUT] [--graph-kernels] [--profile N] [--profile-out FILE]
 
 A graph replay has no host work between kernels, so (graph ms) is the GPU's own time of the step and
 (eager ms - graph ms) what the host costs the eager step. Not for FP8 / MXFP8 specs: their captured step also
-quantizes the weights (nothing is cached while capturing, so a replay never uses stale copies), which the eager
+quantizes the weights, once a replay (so a replay never uses stale copies), which the eager
 step does only when the weights change (``graph_includes_weight_quant`` in the record); use ``--profile``'s host
 times there. Timing: triton do_bench medians (L2 flushed), rounds
 interleaved (eager, graph, eager, graph, ...) so both see the same clock regime.
@@ -35,6 +35,14 @@ import torch  # noqa: E402
 import mokgen  # noqa: E402
 from mokgen import reference as R  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
+
+sys.path.insert(0, str(_REPO / "tools"))
+from step_timeline import _kernels  # noqa: E402  (a profile's CUDA kernels in start order)
+
+
+def _med(v: list) -> float:
+    """The median as the records have always taken it (the upper one of an even count)."""
+    return sorted(v)[len(v) // 2]
 
 
 def main(argv=None) -> int:
@@ -87,12 +95,11 @@ def main(argv=None) -> int:
             step()
         host_ms = (time.perf_counter() - t0) / 20 * 1e3   # enqueue time while the GPU runs behind (upper bound)
         torch.cuda.synchronize()
-        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
         rec = dict(spec=name, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   eager_ms=med(eager), graph_ms=med(graph), eager_rounds=eager, graph_rounds=graph,
+                   eager_ms=_med(eager), graph_ms=_med(graph), eager_rounds=eager, graph_rounds=graph,
                    host_loop_ms=host_ms, method="triton do_bench median, L2 flushed, rounds interleaved",
-                   # FP8 / MXFP8: the weights' quantization is captured too (ops._Fp8Weights caches nothing while
-                   # capturing), so a replay re-quantizes them: graph_ms is then not the eager step's GPU time
+                   # FP8 / MXFP8: the weights' quantization is captured too (ops._Fp8Weights keeps nothing from
+                   # one capture to the next), so a replay re-quantizes them: graph_ms is then not the eager step's
                    graph_includes_weight_quant=spec.dtype != "bf16")
         if a.graph_kernels:
             rec["graph_kernels_us"] = _graph_kernels(g)
@@ -117,9 +124,7 @@ def _graph_kernels(g) -> list:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
-    out = [(e.name[:80], round(e.time_range.end - e.time_range.start, 1)) for e in evs]
+    out = [(name[:80], round(end - start, 1)) for name, start, end in _kernels(prof)]
     print(f"    one graph replay: {len(out)} kernels, {sum(d for _, d in out) / 1000:.3f} ms of kernel time")
     for n, d in out:
         print(f"      {d:9.1f} us  {n[:70]}")
@@ -145,8 +150,7 @@ def _host_times(fwd, dy, n: int) -> dict:
         tf.append((t1 - t0) * 1e3)
         tb.append((t2 - t1) * 1e3)
         gpu.append(e0.elapsed_time(e1))
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    r = dict(host_fwd_ms=med(tf), host_bwd_ms=med(tb), synced_step_gpu_ms=med(gpu))
+    r = dict(host_fwd_ms=_med(tf), host_bwd_ms=_med(tb), synced_step_gpu_ms=_med(gpu))
     print(f"    host enqueue on an idle GPU: forward {r['host_fwd_ms']:.3f} ms, backward {r['host_bwd_ms']:.3f} ms; "
           f"the same steps' GPU time (events, from an idle start) {r['synced_step_gpu_ms']:.3f} ms")
     return r
