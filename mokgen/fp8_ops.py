@@ -12,13 +12,13 @@ Imports torch, mokgen.fp8 and mokgen.kernels only (the runtime side: no compiler
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Mapping
 
 import torch
 
 from . import fp8
 from .kernels import bind, call
+from .launch import on_device
 
 __all__ = ["alloc_rows", "ref_quant_rows", "ref_quant_rows_used", "ref_quant_rows_gather", "ref_quant_w", "ref_quant_wt", "ref_quant_cols",
            "ref_quant_cols_used", "ref_quant_cols_gather", "reference_quant_kernels", "quantize_rows",
@@ -137,12 +137,8 @@ def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
 
 
 def _stream(t: torch.Tensor):
-    """The tvm-ffi environment stream = the current torch stream of t's device (the kernels launch on it)."""
-    if t.device.type != "cuda":
-        return contextlib.nullcontext()
-    import tvm_ffi
-
-    return tvm_ffi.use_torch_stream(torch.cuda.device(t.device))
+    """The launch context of t's device: its kernels run on torch's current stream (:mod:`mokgen.launch`)."""
+    return on_device(t.device)
 
 
 def _check(fn: str, name: str, t: torch.Tensor, dims: int, mult: Mapping[int, int]) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import fp8_ops, kernels, mx_ops, reference
+from . import fp8_ops, kernels, launch, mx_ops, reference
 from .arch import ARCHS
 from .kernels import call
 from .reference import LayerConfig, layer_config
@@ -894,25 +894,19 @@ class CompiledMoE:
 
     @staticmethod
     def _stream(device: torch.device):
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        import tvm_ffi
-
-        return tvm_ffi.use_torch_stream(torch.cuda.device(device))
+        return launch.on_device(device)
 
     def _side_stream(self, device: torch.device, on: bool):
         """The backward's second stream (plan.backward.streams 2), entered after the current stream's work so
         far (a fork: CUDA-graph capturable); a no-op off CUDA or with one stream. Join with _join_side_stream."""
         if not on or device.type != "cuda":
             return contextlib.nullcontext()
-        import tvm_ffi
-
         key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         side = self._side_streams.get(key)
         if side is None:
             side = self._side_streams[key] = torch.cuda.Stream(key)
         side.wait_stream(torch.cuda.current_stream(key))
-        return tvm_ffi.use_torch_stream(torch.cuda.stream(side))
+        return launch.on_stream(side)
 
     def _join_side_stream(self, device: torch.device) -> None:
         """The current stream waits for the side stream's work (every tensor it used was allocated on the current
@@ -1450,11 +1444,54 @@ def _backward(ctx, dy, *_unused):
             db1 if ctx.has_b1 else None, db2 if ctx.has_b2 else None, None, None, None)
 
 
+class _EagerTrain(torch.autograd.Function):
+    """The training op's eager form: the same kernels and saved tensors as ``mokgen::moe_forward_train`` and
+    ``mokgen::moe_backward``, without torch.library's per-call custom-op machinery (schema default filling, alias
+    checks, the autograd wrapper and the in-place view wrapper): that costs the host ~0.3-0.5 ms per training
+    step, as much as some layers' whole GPU time (bench/NOTES.md v36). :func:`moe_forward` takes it outside
+    torch.compile; while compiling, dynamo sees the custom ops (fake impls) instead. Everything the backward needs
+    is saved with ``save_for_backward`` (saved-tensor hooks, version checks and checkpointing see it as they see
+    the op's outputs)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe):
+        y, saved = moe.forward_train(x, topk_idx, topk_weight, w1, w2, b1, b2)
+        ctx.save_for_backward(x, topk_weight, w1, w2, b1, b2, *saved.op_tensors(), w1_main_grad, w2_main_grad)
+        ctx.moe = moe
+        ctx.main_grad = (w1_main_grad is not None, w2_main_grad is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_weight, w1, w2, b1, b2, *sv, mg1, mg2 = ctx.saved_tensors
+        g = ctx.moe.backward(dy.contiguous(), Saved.from_op(*sv), x, topk_weight, w1, w2, b1, b2,
+                             w1_main_grad=mg1, w2_main_grad=mg2)
+        return (g.x, None, g.topk_weight, None if ctx.main_grad[0] else g.w1, None if ctx.main_grad[1] else g.w2,
+                g.b1, g.b2, None, None, None)
+
+
+def _eager(*tensors) -> bool:
+    """Whether :func:`moe_forward` may call the kernels directly (outside torch.compile, on plain tensors or
+    parameters): fake, functional or other subclass tensors (tracing without dynamo, tensor subclasses) go
+    through the custom ops, which know how to meet them."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _inference_backward(ctx, dy):
     raise RuntimeError("mokgen: torch.ops.mokgen.moe_forward is the inference op; call mokgen.moe_forward "
                        "(or mokgen.MoE), which runs the training op when gradients are needed")
 
 
+
+# moe_forward outside torch.compile calls the kernels directly (the inference call, _EagerTrain) instead of through
+# torch.ops.mokgen: the same kernels and bits, less host time. False: always the custom ops (tools/graph_vs_eager.py
+# --op-path times both in one process).
+EAGER_CALLS = True
 
 _OPS_LOCK = threading.Lock()
 _OPS: list[Any] = []   # the registered custom ops (empty until register_ops)
@@ -1510,7 +1547,12 @@ def moe_forward(x, topk_idx, topk_weight, w1, w2, b1=None, b2=None, *, moe: Comp
         moe = moe.masked_view()
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weight, w1, w2, b1, b2))
+    eager = EAGER_CALLS and _eager(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad)
     if not needs_grad:
+        if eager:
+            return moe(x, topk_idx, topk_weight, w1, w2, b1, b2)
         return torch.ops.mokgen.moe_forward(x, topk_idx, topk_weight, w1, w2, b1, b2, moe.registry_id)
+    if eager:
+        return _EagerTrain.apply(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad, w2_main_grad, moe)
     return torch.ops.mokgen.moe_forward_train(x, topk_idx, topk_weight, w1, w2, b1, b2, w1_main_grad,
                                               w2_main_grad, moe.registry_id)[0]

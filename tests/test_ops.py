@@ -825,3 +825,70 @@ def test_db2_from_slot_weights(shared):
     assert torch.allclose(old.double(), want, rtol=1e-5, atol=1e-5)
     assert float(sw[3, int(idx[3, 0])]) == pytest.approx(float(w[3, 0] + w[3, 1]))
     assert float(sw[5].sum()) == pytest.approx(float(w[5, 0] + w[5, 1]) + shared)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_eager_calls_equal_the_custom_ops(bias, main_grad, monkeypatch):
+    """moe_forward outside torch.compile calls the kernels directly (inference: the CompiledMoE; training:
+    _EagerTrain), not through torch.ops.mokgen: the same launches in the same order, y and every gradient (and
+    main_grad accumulator) bit-identical to the custom-op path (EAGER_CALLS False), the op never dispatched, and
+    the saved tensors reach saved-tensor hooks like the op's outputs (z and the routing metadata included)."""
+    cfg = small("swiglu_oai", None, "interleaved", bias=True, shared=0) if bias else small()
+    runs = {}
+    for eager in (True, False):
+        monkeypatch.setattr(ops, "EAGER_CALLS", eager)
+        moe, rec = emulated(cfg)
+        x, idx, w, w1, w2, b1, b2, _ = op_args(cfg, moe, T=21, requires_grad=True)
+        mg = (torch.full(w1.shape, 0.5), torch.full(w2.shape, -0.25)) if main_grad else (None, None)
+        dispatched = []
+        real_op = torch.ops.mokgen.moe_forward_train
+        if eager:
+            monkeypatch.setattr(torch.ops.mokgen, "moe_forward_train",
+                                lambda *a: dispatched.append(a) or real_op(*a), raising=False)
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            y = ops.moe_forward(x, idx, w, w1, w2, b1, b2, moe=moe, w1_main_grad=mg[0], w2_main_grad=mg[1])
+        if eager:
+            monkeypatch.undo()
+        dy = torch.randn(21, cfg.hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+        y.backward(dy)
+        with torch.no_grad():
+            y_inf = ops.moe_forward(x, idx, w, w1, w2, b1, b2, moe=moe)
+        assert not dispatched
+        assert any(t.dtype == torch.bfloat16 and t.shape[-1] == 2 * cfg.ffn for t in packed)   # z
+        runs[eager] = (rec.names, [y, y_inf, x.grad, w.grad] + ([w1.grad, w2.grad] if not main_grad else list(mg))
+                       + ([b1.grad, b2.grad] if bias else []))
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert a is not None and torch.equal(a, b)
+    if main_grad:
+        assert not torch.equal(runs[True][1][4], torch.full_like(runs[True][1][4], 0.5))
+
+
+def test_eager_calls_leave_fake_tensors_to_the_ops():
+    """Tensors that are not plain (fake, functional, other subclasses) go through the custom ops, whose fake impls
+    meet them: moe_forward under a FakeTensorMode gives the op's output shape without launching anything."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = small(T=8)
+    moe, rec = emulated(cfg)
+    x, idx, w, w1, w2, b1, b2, _ = op_args(cfg, moe, T=8)
+    with FakeTensorMode() as mode:
+        fx, fidx, fw, fw1, fw2 = (mode.from_tensor(t) for t in (x, idx, w, w1, w2))
+        assert not ops._eager(fx)
+        y = ops.moe_forward(fx, fidx, fw, fw1, fw2, moe=moe)
+    assert tuple(y.shape) == (8, cfg.hidden) and not rec.calls
+
+
+def test_launch_context_without_stream_wrapper():
+    """The pinned tvm-ffi (>= 0.1.15) sets the environment stream per call from torch's current stream, so the
+    launch context is a no-op off CUDA and on the current device (tests/test_gpu_streams.py checks the streams
+    on a GPU)."""
+    from mokgen import launch
+
+    assert launch.ffi_call_sets_stream()
+    ctx = launch.on_device(torch.device("cpu"))
+    with ctx:
+        pass
+    assert ctx is launch.on_device(torch.device("cpu"))

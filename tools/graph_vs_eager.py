@@ -3,6 +3,7 @@
 replayed from a CUDA graph (the same step captured), alternately, in the same process.
 
     python tools/graph_vs_eager.py SPEC [...] [--rounds 3] [--json OUT] [--graph-kernels] [--profile N] [--profile-out FILE]
+                                   [--op-path]
 
 A graph replay has no host work between kernels, so (graph ms) is the GPU's own time of the step and
 (eager ms - graph ms) what the host costs the eager step. Not for FP8 / MXFP8 specs: their captured step also
@@ -17,10 +18,14 @@ interleaved (eager, graph, eager, graph, ...) so both see the same clock regime.
 N steps under cProfile (each from an idle GPU: the host's Python time per function), the top functions by own
 time printed and the whole table appended to ``--profile-out``; ``profile_host_ms`` is the profiled steps' host
 time (the profiler's cost included).
+``--op-path``: the eager step also through torch.ops.mokgen's custom ops (``mokgen.ops.EAGER_CALLS = False``, what
+``moe_forward`` ran outside torch.compile before v36), interleaved with the other timings: ``eager_op_ms``, and with
+``--profile`` its host times ``host_fwd_op_ms`` / ``host_bwd_op_ms``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -55,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="eager steps to run under cProfile (0: none)")
     ap.add_argument("--profile-out", default=None, help="file the profiles' tables are appended to")
     ap.add_argument("--profile-top", type=int, default=25, help="functions printed per profile")
+    ap.add_argument("--op-path", action="store_true", help="also time the eager step through the custom ops "
+                    "(mokgen.ops.EAGER_CALLS = False)")
     ap.add_argument("--graph-kernels", action="store_true", help="list the kernels of one graph replay with their "
                     "times (torch.profiler): what the captured step runs")
     a = ap.parse_args(argv)
@@ -86,10 +93,13 @@ def main(argv=None) -> int:
         with torch.cuda.graph(g):
             step()
         torch.cuda.synchronize()
-        eager, graph = [], []
+        eager, graph, via_op = [], [], []
         for _ in range(a.rounds):
             eager.append(float(do_bench(step, return_mode="median")))
             graph.append(float(do_bench(g.replay, return_mode="median")))
+            if a.op_path:
+                with _op_path():
+                    via_op.append(float(do_bench(step, return_mode="median")))
         t0 = time.perf_counter()
         for _ in range(20):
             step()
@@ -103,8 +113,14 @@ def main(argv=None) -> int:
                    graph_includes_weight_quant=spec.dtype != "bf16")
         if a.graph_kernels:
             rec["graph_kernels_us"] = _graph_kernels(g)
+        if a.op_path:
+            rec.update(eager_op_ms=_med(via_op), eager_op_rounds=via_op, eager_calls=mokgen.ops.EAGER_CALLS)
+            print(f"    through the custom ops: eager {rec['eager_op_ms']:.3f} ms ({[round(v, 3) for v in via_op]})")
         if a.profile > 0:
             rec.update(_host_times(fwd, dy, a.profile))
+            if a.op_path:
+                with _op_path():
+                    rec.update({k.replace("_ms", "_op_ms"): v for k, v in _host_times(fwd, dy, a.profile).items()})
             rec["profile_host_ms"] = _profile(step, a.profile, name, a.profile_top, a.profile_out)
         print(f"{name:20s} eager {rec['eager_ms']:.3f} ms  graph {rec['graph_ms']:.3f} ms  "
               f"(eager/graph {rec['eager_ms'] / rec['graph_ms']:.3f}; rounds {[round(v, 3) for v in eager]} / "
@@ -113,6 +129,17 @@ def main(argv=None) -> int:
             out.write(json.dumps(rec) + "\n")
             out.flush()
     return 0
+
+
+@contextlib.contextmanager
+def _op_path():
+    """moe_forward through torch.ops.mokgen's custom ops while inside (the path before v36)."""
+    was = mokgen.ops.EAGER_CALLS
+    mokgen.ops.EAGER_CALLS = False
+    try:
+        yield
+    finally:
+        mokgen.ops.EAGER_CALLS = was
 
 
 def _graph_kernels(g) -> list:
