@@ -20,11 +20,16 @@ import torch
 
 _NULL = contextlib.nullcontext()
 _CALL_SETS_STREAM: bool | None = None
+# False: every launch gets tvm_ffi.use_torch_stream as before v36, whatever the tvm-ffi version (tools/graph_vs_eager.py
+# --old-path times that host path beside the current one)
+PER_CALL_STREAM = True
 
 
 def ffi_call_sets_stream() -> bool:
     """Whether the installed tvm-ffi sets the environment stream per call from torch's current stream (>= 0.1.15)."""
     global _CALL_SETS_STREAM
+    if not PER_CALL_STREAM:
+        return False
     if _CALL_SETS_STREAM is None:
         import tvm_ffi
 

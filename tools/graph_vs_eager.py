@@ -3,7 +3,7 @@
 replayed from a CUDA graph (the same step captured), alternately, in the same process.
 
     python tools/graph_vs_eager.py SPEC [...] [--rounds 3] [--json OUT] [--graph-kernels] [--profile N] [--profile-out FILE]
-                                   [--op-path]
+                                   [--op-path] [--old-path]
 
 A graph replay has no host work between kernels, so (graph ms) is the GPU's own time of the step and
 (eager ms - graph ms) what the host costs the eager step. Not for FP8 / MXFP8 specs: their captured step also
@@ -20,7 +20,9 @@ time printed and the whole table appended to ``--profile-out``; ``profile_host_m
 time (the profiler's cost included).
 ``--op-path``: the eager step also through torch.ops.mokgen's custom ops (``mokgen.ops.EAGER_CALLS = False``, what
 ``moe_forward`` ran outside torch.compile before v36), interleaved with the other timings: ``eager_op_ms``, and with
-``--profile`` its host times ``host_fwd_op_ms`` / ``host_bwd_op_ms``.
+``--profile`` its host times ``host_fwd_op_ms`` / ``host_bwd_op_ms``. ``--old-path``: also the whole host path before
+v36 (the custom ops, and a ``tvm_ffi.use_torch_stream`` context around every launch: ``mokgen.launch.PER_CALL_STREAM
+= False``): ``eager_old_ms``, ``host_fwd_old_ms`` / ``host_bwd_old_ms``.
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-top", type=int, default=25, help="functions printed per profile")
     ap.add_argument("--op-path", action="store_true", help="also time the eager step through the custom ops "
                     "(mokgen.ops.EAGER_CALLS = False)")
+    ap.add_argument("--old-path", action="store_true", help="also time the eager step through the custom ops with "
+                    "a stream context per launch (the host path before v36)")
     ap.add_argument("--graph-kernels", action="store_true", help="list the kernels of one graph replay with their "
                     "times (torch.profiler): what the captured step runs")
     a = ap.parse_args(argv)
@@ -93,13 +97,16 @@ def main(argv=None) -> int:
         with torch.cuda.graph(g):
             step()
         torch.cuda.synchronize()
-        eager, graph, via_op = [], [], []
+        eager, graph, via_op, via_old = [], [], [], []
         for _ in range(a.rounds):
             eager.append(float(do_bench(step, return_mode="median")))
             graph.append(float(do_bench(g.replay, return_mode="median")))
             if a.op_path:
                 with _op_path():
                     via_op.append(float(do_bench(step, return_mode="median")))
+            if a.old_path:
+                with _op_path(old=True):
+                    via_old.append(float(do_bench(step, return_mode="median")))
         t0 = time.perf_counter()
         for _ in range(20):
             step()
@@ -116,11 +123,15 @@ def main(argv=None) -> int:
         if a.op_path:
             rec.update(eager_op_ms=_med(via_op), eager_op_rounds=via_op, eager_calls=mokgen.ops.EAGER_CALLS)
             print(f"    through the custom ops: eager {rec['eager_op_ms']:.3f} ms ({[round(v, 3) for v in via_op]})")
+        if a.old_path:
+            rec.update(eager_old_ms=_med(via_old), eager_old_rounds=via_old)
+            print(f"    the host path before v36: eager {rec['eager_old_ms']:.3f} ms ({[round(v, 3) for v in via_old]})")
         if a.profile > 0:
             rec.update(_host_times(fwd, dy, a.profile))
-            if a.op_path:
-                with _op_path():
-                    rec.update({k.replace("_ms", "_op_ms"): v for k, v in _host_times(fwd, dy, a.profile).items()})
+            for on, old, tag in ((a.op_path, False, "_op_ms"), (a.old_path, True, "_old_ms")):
+                if on:
+                    with _op_path(old=old):
+                        rec.update({k.replace("_ms", tag): v for k, v in _host_times(fwd, dy, a.profile).items()})
             rec["profile_host_ms"] = _profile(step, a.profile, name, a.profile_top, a.profile_out)
         print(f"{name:20s} eager {rec['eager_ms']:.3f} ms  graph {rec['graph_ms']:.3f} ms  "
               f"(eager/graph {rec['eager_ms'] / rec['graph_ms']:.3f}; rounds {[round(v, 3) for v in eager]} / "
@@ -132,14 +143,18 @@ def main(argv=None) -> int:
 
 
 @contextlib.contextmanager
-def _op_path():
-    """moe_forward through torch.ops.mokgen's custom ops while inside (the path before v36)."""
-    was = mokgen.ops.EAGER_CALLS
+def _op_path(old: bool = False):
+    """moe_forward through torch.ops.mokgen's custom ops while inside; ``old``: also a tvm-ffi stream context
+    around every launch (both: the host path before v36)."""
+    from mokgen import launch
+
+    was = mokgen.ops.EAGER_CALLS, launch.PER_CALL_STREAM
     mokgen.ops.EAGER_CALLS = False
+    launch.PER_CALL_STREAM = not old
     try:
         yield
     finally:
-        mokgen.ops.EAGER_CALLS = was
+        mokgen.ops.EAGER_CALLS, launch.PER_CALL_STREAM = was
 
 
 def _graph_kernels(g) -> list:
