@@ -46,6 +46,12 @@ PRESETS = ["kimi-k2", "deepseek-v4-pro", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "
 if os.environ.get("MOKGEN_GPU_PRESETS"):
     PRESETS = [p.strip() for p in os.environ["MOKGEN_GPU_PRESETS"].split(",") if p.strip()]
 TOL = 1e-2
+# An FP8 spec (dtype: fp8): y against the quantization-aware float64 reference (ref.forward_fp8) within TOL; the
+# gradients (no quantization-aware backward reference exists) against the BF16 one within FP8_GRAD_TOL, the gross
+# check tests/test_gpu_fp8.py makes (e4m3 keeps 3 mantissa bits: 5-7% measured). That suite holds FP8's accuracy
+# checks; here FP8 specs get the structural ones (bits across CTA counts, streams, graphs, interleaved layers, the
+# same bits through torch.compile).
+FP8_GRAD_TOL = 0.12
 OVERRIDES = parse_overrides(os.environ.get("MOKGEN_GPU_OVERRIDES", ""))  # typed as the CLI's --set
 NAMES = ref.Grads._fields            # ("x", "topk_weight", "w1", "w2", "b1", "b2")
 DEV = "cuda"
@@ -114,10 +120,19 @@ def make_dy(T: int, H: int, seed: int) -> torch.Tensor:
     return torch.randn(T, H, generator=g, device=DEV, dtype=torch.float32).to(torch.bfloat16)
 
 
+def grad_tol(spec) -> float:
+    return FP8_GRAD_TOL if spec.dtype == "fp8" else TOL
+
+
+def forward_ref(spec):
+    """The float64 forward reference y is checked against (an FP8 spec's quantization-aware one)."""
+    return ref.forward_fp8 if spec.dtype == "fp8" else ref.forward
+
+
 def reference(spec, inp: ref.MoEInputs, dy: torch.Tensor):
     """(y, Grads) in float64 on the GPU, kept as float32 copies (half the memory; rounding costs 6e-8)."""
     args = (inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, spec, inp.b1, inp.b2)
-    y = ref.forward(*args, dtype=torch.float64).float()
+    y = forward_ref(spec)(*args, dtype=torch.float64).float()
     g = ref.backward(dy, *args, dtype=torch.float64)
     return y, ref.Grads(*(None if t is None else t.float() for t in g))
 
@@ -161,9 +176,9 @@ def check_y(y, y_ref, what):
     assert err <= TOL, f"{what}: y relative error {err:.3e} > {TOL}"
 
 
-def check_grads(g, g_ref, inp, what, skip=()):
+def check_grads(g, g_ref, inp, what, skip=(), tol=TOL):
     """Each gradient: present exactly when its input is (b1/b2 only with biases), the input's shape and dtype,
-    finite, within TOL of the reference."""
+    finite, within ``tol`` of the reference (:func:`grad_tol` of the spec)."""
     for name in NAMES:
         if name in skip:
             continue
@@ -176,7 +191,7 @@ def check_grads(g, g_ref, inp, what, skip=()):
         assert t.dtype == x.dtype, f"{what}: d{name} dtype {t.dtype} != {x.dtype}"
         assert bool(torch.isfinite(t).all()), f"{what}: d{name} has NaN/inf (an element was not written?)"
         err = rel_err(t, r)
-        assert err <= TOL, f"{what}: d{name} relative error {err:.3e} > {TOL}"
+        assert err <= tol, f"{what}: d{name} relative error {err:.3e} > {tol}"
 
 
 def check_accumulated(added, expected, abs_sum, what):
@@ -244,7 +259,7 @@ def test_grads_match_reference(case):
     y, g = train_call(moe, inp, dy)
     sync()
     check_y(y, y_ref, f"{spec.name}/forward_train")
-    check_grads(g, g_ref, inp, f"{spec.name}/backward")
+    check_grads(g, g_ref, inp, f"{spec.name}/backward", tol=grad_tol(spec))
     moe.check_errors()
 
 
@@ -253,7 +268,7 @@ def test_autograd_grads_match_reference(case):
     y, g = autograd_call(moe, inp, dy)
     sync()
     check_y(y, y_ref, f"{spec.name}/moe_forward")
-    check_grads(g, g_ref, inp, f"{spec.name}/autograd")
+    check_grads(g, g_ref, inp, f"{spec.name}/autograd", tol=grad_tol(spec))
     # the autograd path runs the same kernels as the low-level one: the same bits
     y2, g2 = train_call(moe, inp, dy)
     sync()
@@ -388,7 +403,7 @@ def test_special_routing(case, routing, ctas):
     sync()
     what = f"{spec.name}/{routing}"
     check_y(y, y_ref, what)
-    check_grads(g, g_ref, c, what)
+    check_grads(g, g_ref, c, what, tol=grad_tol(spec))
     empty = check_empty_experts_zero(spec, c, g, what)
     if routing in ("one_expert", "empty_experts") and spec.local_experts > 1:
         assert empty, f"{what}: the routing left no expert empty (test inputs wrong)"
@@ -409,7 +424,7 @@ def test_tokens_not_a_tile_multiple(case, tokens):
     y, g = train_call(moe, c, dy)
     sync()
     check_y(y, y_ref, f"{spec.name}/T={tokens}")
-    check_grads(g, g_ref, c, f"{spec.name}/T={tokens}")
+    check_grads(g, g_ref, c, f"{spec.name}/T={tokens}", tol=grad_tol(spec))
     check_empty_experts_zero(spec, c, g, f"{spec.name}/T={tokens}")
     moe.check_errors()
 
@@ -468,8 +483,8 @@ def test_main_grad_accumulates(case):
     for mg, pre, r, gb, n in ((mg1, pre1, g_ref.w1, g_bf16.w1, "w1"), (mg2, pre2, g_ref.w2, g_bf16.w2, "w2")):
         assert mg.dtype == torch.float32 and bool(torch.isfinite(mg).all()), f"{n}.main_grad not finite"
         added = mg - pre
-        err = rel_err(added, r)
-        assert err <= TOL, f"{spec.name}: {n}.main_grad - prefill vs reference: {err:.3e} > {TOL}"
+        err, tol = rel_err(added, r), grad_tol(spec)
+        assert err <= tol, f"{spec.name}: {n}.main_grad - prefill vs reference: {err:.3e} > {tol}"
         err = rel_err(added, gb.float())
         assert err <= TOL, f"{spec.name}: {n}.main_grad - prefill vs the bf16 gradient: {err:.3e} > {TOL}"
         check_accumulated(added, gb.float(), gb.float().abs(), f"{spec.name}: {n}.main_grad")
@@ -627,6 +642,9 @@ def assert_checks_catch(case_, kernel, out_arg, how, target):
     """The suite's own checks (check_y / check_grads on train_call's outputs) fail with ``kernel`` perturbed,
     naming the perturbed output, and pass again once it is restored."""
     spec, moe, inp, dy, y_ref, g_ref = case_
+    if spec.dtype == "fp8" and target != "y":
+        pytest.skip("FP8: a 5% perturbation of a gradient hides under FP8_GRAD_TOL; tests/test_gpu_fp8.py checks "
+                    "FP8's gradients against quantization-aware references")
     with perturbed(moe, kernel, how, out_arg):
         y, g = train_call(moe, inp, dy)
         sync()
@@ -639,7 +657,7 @@ def assert_checks_catch(case_, kernel, out_arg, how, target):
     y, g = train_call(moe, inp, dy)
     sync()
     check_y(y, y_ref, f"{spec.name}/restored")
-    check_grads(g, g_ref, inp, f"{spec.name}/restored")
+    check_grads(g, g_ref, inp, f"{spec.name}/restored", tol=grad_tol(spec))
 
 
 @pytest.mark.parametrize("kernel,out_arg,how,target", PERTURBATIONS, ids=[f"{p[0]}-{p[2]}" for p in PERTURBATIONS])
@@ -767,7 +785,7 @@ def test_torch_compile_fullgraph():
         assert same_bits(a, b), f"torch.compile: {lab} differs from eager"
         assert same_bits(b, c), f"torch.compile: {lab} differs between compiled calls"
     # the block computes MoE(2x) / 2
-    y_ref = ref.forward(inp.x * 2, inp.topk_idx, inp.topk_weight, block.moe.w1.detach(), block.moe.w2.detach(),
+    y_ref = forward_ref(spec)(inp.x * 2, inp.topk_idx, inp.topk_weight, block.moe.w1.detach(), block.moe.w2.detach(),
                         spec, None if block.moe.b1 is None else block.moe.b1.detach(),
                         None if block.moe.b2 is None else block.moe.b2.detach()) * 0.5
     check_y(got[0], y_ref, f"{name}/torch.compile")
