@@ -4,8 +4,8 @@ Every exported kernel launches on the TVM-FFI *environment stream* of its tensor
 that stream itself for each call whose arguments include torch CUDA tensors: to torch's current stream of the
 first such tensor's device (its ``TVMFFIPyCallContext``: the DLPack exchange API's ``current_work_stream`` where
 torch has it, torch >= 2.10, else ``torch._C._cuda_getCurrentRawStream``), and restores it after the call. So a
-launch needs no ``tvm_ffi.use_torch_stream`` context around it, which costs the host a few microseconds per entry
-on every forward, backward and quantizer call. Older tvm-ffi builds get that context as before.
+launch needs no ``tvm_ffi.use_torch_stream`` context around it, which cost the host tens of microseconds per entry
+(forward, backward, every quantizer call; bench/NOTES.md v36). Older tvm-ffi builds get that context as before.
 
 What is kept: the kernels' device must be the current CUDA device (the DSL launches in the current context), so a
 call on a tensor of another device than the current one switches to it (``torch.cuda.device``), as the context did.
