@@ -1448,7 +1448,7 @@ class _EagerTrain(torch.autograd.Function):
     """The training op's eager form: the same kernels and saved tensors as ``mokgen::moe_forward_train`` and
     ``mokgen::moe_backward``, without torch.library's per-call custom-op machinery (schema default filling, alias
     checks, the autograd wrapper and the in-place view wrapper): with the stream contexts the launches no longer
-    take, that cost the GPU machine's host 0.17-0.53 ms per training step, a fifth of a small FP8 layer's step
+    take, that cost the GPU machine's host 0.17-0.53 ms per training step, up to a fifth of a small FP8 layer's step
     (bench/NOTES.md v36). :func:`moe_forward` takes it outside
     torch.compile; while compiling, dynamo sees the custom ops (fake impls) instead. Everything the backward needs
     is saved with ``save_for_backward`` (saved-tensor hooks, version checks and checkpointing see it as they see
