@@ -72,3 +72,38 @@ def test_forward_check_close_fails_on_a_perturbed_output(cpu_case):
     bad[3, 5] = float("nan")
     with pytest.raises(AssertionError, match="NaN in the output"):
         gf.check_close(bad, y_ref, "tiny/unwritten")
+
+
+@pytest.fixture
+def cpu_fp8_case(monkeypatch):
+    """An FP8 spec on the reference kernels (its launch sequence and argument tables), with the GPU suite's own
+    references: y against the quantization-aware one, the gradients against the BF16 one (gb.reference)."""
+    from mokgen import plan as P
+    from mokgen.spec import Spec
+
+    monkeypatch.setattr(gb, "DEV", "cpu")
+    spec = Spec(name="t8", hidden=256, ffn=256, experts=4, topk=2, tokens=64, dtype="fp8")
+    pl = P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="bf16")
+    moe = ops.CompiledMoE(spec, pl, functions=ref.reference_kernels(spec, pl.bm, training=True), allow_cpu=True)
+    inp = ref.random_inputs(spec, tokens=64, seed=0)
+    dy = gb.make_dy(64, spec.hidden, seed=100)
+    return gb.Case(spec, moe, inp, dy, *gb.reference(spec, inp, dy))
+
+
+@pytest.mark.parametrize("kernel,out_arg,how,target", [p for p in gb.PERTURBATIONS if p[3] == "y"],
+                         ids=[f"{p[0]}-{p[2]}" for p in gb.PERTURBATIONS if p[3] == "y"])
+def test_backward_checks_catch_a_perturbed_fp8_kernel(cpu_fp8_case, kernel, out_arg, how, target):
+    """On an FP8 spec the suite's y check (against ref.forward_fp8) catches a perturbed GEMM 2 or combine and passes
+    on the restored kernels, the gradients within gb.FP8_GRAD_TOL of the BF16 reference; FP8's GEMM 2 is perturbed
+    through its own argument table (gemm2_fp8), so the scaled tensor is its output."""
+    gb.assert_checks_catch(cpu_fp8_case, kernel, out_arg, how, target)
+
+
+def test_fp8_y_check_is_tighter_than_the_bf16_reference(cpu_fp8_case):
+    """The FP8 y reference is the quantization-aware one: the correct FP8 output is within gb.TOL of it but not of
+    the BF16 reference (which is why the suite's BF16-only check failed every FP8 spec)."""
+    spec, moe, inp, dy, y_ref, _ = cpu_fp8_case
+    y, _ = gb.train_call(moe, inp, dy)
+    gb.check_y(y, y_ref, "t8")
+    y16 = ref.forward(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, spec).float()
+    assert ref.rel_err(y, y16) > gb.TOL

@@ -607,15 +607,18 @@ class perturbed:
     ``scale`` multiplies all of it by 1.05, ``skip`` puts NaN back into its first ``rows`` rows (what a tile the
     kernel never wrote reads in a poisoned buffer)."""
 
-    def __init__(self, moe, kernel: str, how: str, out_arg: str = "out", rows: int = 64):
+    def __init__(self, moe, kernel: str, how: str, out_arg: str = "out", rows: int = 64, table: str | None = None):
         self.moe, self.kernel, self.how, self.rows = moe, kernel, how, rows
-        self.pos = mk.names(kernel).index(out_arg)
+        self.args = mk.names(table or kernel)   # the argument table the runtime launches it with
+        self.pos = self.args.index(out_arg)
 
     def __enter__(self):
         fns = self.moe._fns
         self.orig = orig = fns[self.kernel]
 
         def wrapper(*args):
+            assert len(args) == len(self.args), f"{self.kernel}: launched with {len(args)} arguments, its table " \
+                f"has {len(self.args)} (perturbed with the wrong table)"
             r = orig(*args)
             t = args[self.pos]
             if self.how == "scale":
@@ -645,7 +648,8 @@ def assert_checks_catch(case_, kernel, out_arg, how, target):
     if spec.dtype == "fp8" and target != "y":
         pytest.skip("FP8: a 5% perturbation of a gradient hides under FP8_GRAD_TOL; tests/test_gpu_fp8.py checks "
                     "FP8's gradients against quantization-aware references")
-    with perturbed(moe, kernel, how, out_arg):
+    table = f"{kernel}_fp8" if spec.dtype == "fp8" and f"{kernel}_fp8" in mk.ARGS else kernel   # FP8's gemm2_fp8
+    with perturbed(moe, kernel, how, out_arg, table=table):
         y, g = train_call(moe, inp, dy)
         sync()
         with pytest.raises(AssertionError, match=("y" if target == "y" else f"d{target}") + r"\b"):
