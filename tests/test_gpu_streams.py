@@ -37,6 +37,7 @@ import mokgen  # noqa: E402
 from mokgen import reference as ref  # noqa: E402
 from mokgen.plan import parse_overrides  # noqa: E402
 from mokgen.ops import RoutingError  # noqa: E402
+from test_gpu_backward import forward_ref, grad_tol  # noqa: E402  (the references an FP8 spec is checked against)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.training]
 
@@ -64,9 +65,6 @@ def same_bits(a, b) -> bool:
 
 
 TOL = 1e-2
-# an FP8 spec's gradients against the BF16 float64 reference (there is no quantization-aware backward reference):
-# tests/test_gpu_fp8.py's FP8_TOL (e4m3 keeps 3 mantissa bits: ~5-7% measured)
-GRAD_TOL = {"fp8": 0.12}
 
 
 def fingerprint(t: torch.Tensor | None) -> tuple[int, int] | None:
@@ -90,8 +88,7 @@ def check_reference_forward(spec, layer, inp, y, what):
     one, ``ref.forward_fp8``, as tests/test_gpu_fp8.py checks it)."""
     x, idx, w = inp
     assert not bool(y.isnan().any()), f"{what}: NaN in y"
-    forward = ref.forward_fp8 if spec.dtype == "fp8" else ref.forward
-    y_ref = forward(x, idx, w, layer.w1, layer.w2, spec, layer.b1, layer.b2, dtype=torch.float64)
+    y_ref = forward_ref(spec)(x, idx, w, layer.w1, layer.w2, spec, layer.b1, layer.b2, dtype=torch.float64)
     err = ref.rel_err(y.float(), y_ref)
     assert err <= TOL, f"{what}: y relative error {err:.3e} > {TOL}"
 
@@ -255,7 +252,7 @@ def test_training_two_streams_match_sequential(case):
             if it in (0, ITERS - 1):
                 check_reference_forward(spec, layers[i], calls[i][it], y, what)
                 g_ref = ref.backward(dys[i][it], x, idx, w, w1, w2, spec, b1, b2, dtype=torch.float64)
-                tol = GRAD_TOL.get(spec.dtype, TOL)
+                tol = grad_tol(spec)   # an FP8 spec's: test_gpu_fp8's bound against the BF16 reference
                 for n, t, r in zip(GRAD_NAMES, gr, g_ref):
                     if r is not None:
                         err = ref.rel_err(t.float(), r)
