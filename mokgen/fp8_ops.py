@@ -136,11 +136,6 @@ def reference_quant_kernels(bm: int = 128) -> dict[str, Callable[..., None]]:
 # launch helpers
 
 
-def _stream(t: torch.Tensor):
-    """The launch context of t's device: its kernels run on torch's current stream (:mod:`mokgen.launch`)."""
-    return on_device(t.device)
-
-
 def _check(fn: str, name: str, t: torch.Tensor, dims: int, mult: Mapping[int, int]) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != dims:
         raise TypeError(f"{fn}: {name} must be a {dims}-D bfloat16 tensor, got "
@@ -161,7 +156,7 @@ def _rows_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
     K = x.shape[1]
     q, s = _row_buffers(rows, K, x.device)
     if rows and K and x.shape[0]:
-        with _stream(x):
+        with on_device(x.device):
             call(fns, kernel, x=x, **kw, q=q, s=s)
     return q, s
 
@@ -214,7 +209,7 @@ def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, transpose
         qt = torch.empty((G, K, N), dtype=torch.uint8, device=dev)
         st = torch.empty((G, _blocks(K), _blocks(N)), dtype=torch.float32, device=dev)
     if G and N and K:
-        with _stream(w):
+        with on_device(w.device):
             if transpose:
                 call(fns, "quant_wt", w=w, q=q, s=s, qt=qt, st=st)
             else:
@@ -230,7 +225,7 @@ def _cols_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
     qt = torch.empty((K, rows), dtype=torch.uint8, device=x.device)
     st = torch.empty((rows // BLOCK, K), dtype=torch.float32, device=x.device)
     if rows and K and x.shape[0]:
-        with _stream(x):
+        with on_device(x.device):
             call(fns, kernel, x=x, **kw, qt=qt, st=st)
     return qt, st
 
@@ -270,7 +265,7 @@ def _both_launch(fns: Mapping[str, Callable[..., Any]], kernel: str, x: torch.Te
     qt = torch.empty((K, rows), dtype=torch.uint8, device=dev)
     st = torch.empty((rows // BLOCK, K), dtype=torch.float32, device=dev)
     if rows and K and x.shape[0]:
-        with _stream(x):
+        with on_device(x.device):
             call(fns, kernel, x=x, **kw, q=q, s=s, qt=qt, st=st)
     return q, s, qt, st
 

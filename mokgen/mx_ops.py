@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import fp8
-from .fp8_ops import _check, _stream
+from .fp8_ops import _check
+from .launch import on_device
 from .kernels import bind, call
 
 __all__ = ["ref_quant_mx_gather", "ref_quant_mx_used", "ref_quant_mx_w", "ref_quant_mx_w_cols",
@@ -215,7 +216,7 @@ def _launch(fns: Mapping[str, Callable[..., Any]], kernel: str, table: str, x: t
     sf_bytes = fp8.mx_sf_bytes(C, rows // MX) if along_rows else fp8.mx_sf_bytes(rows, C // MX)
     sf = torch.empty((sf_bytes,), dtype=torch.uint8, device=x.device)
     if rows and C and x.shape[0]:
-        with _stream(x):
+        with on_device(x.device):
             call(fns, kernel, table=table, x=x, **kw, q=q, sf=sf)
     return q, sf
 
@@ -249,7 +250,7 @@ def quantize_w(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kernel: s
     q = torch.empty((G, N, K), dtype=torch.uint8, device=w.device)
     sf = torch.empty((G * parts * fp8.mx_sf_bytes(N // parts, K // MX),), dtype=torch.uint8, device=w.device)
     if G and N and K:
-        with _stream(w):
+        with on_device(w.device):
             call(fns, kernel, table="quant_mx_w", w=w, q=q, sf=sf)
     return q, sf
 
@@ -264,7 +265,7 @@ def quantize_w_cols(fns: Mapping[str, Callable[..., Any]], w: torch.Tensor, kern
     q = torch.empty((G, R, C), dtype=torch.uint8, device=w.device)
     sf = torch.empty((G * fp8.mx_sf_bytes(C, R // MX),), dtype=torch.uint8, device=w.device)
     if G and R and C:
-        with _stream(w):
+        with on_device(w.device):
             call(fns, kernel, table="quant_mx_w_cols", w=w, q=q, sf=sf)
     return q, sf
 

@@ -892,10 +892,6 @@ class CompiledMoE:
             n = self._sm_count[key] = torch.cuda.get_device_properties(key[1]).multi_processor_count
         return n
 
-    @staticmethod
-    def _stream(device: torch.device):
-        return launch.on_device(device)
-
     def _side_stream(self, device: torch.device, on: bool):
         """The backward's second stream (plan.backward.streams 2), entered after the current stream's work so
         far (a fork: CUDA-graph capturable); a no-op off CUDA or with one stream. Join with _join_side_stream."""
@@ -941,7 +937,7 @@ class CompiledMoE:
         b1_ = b1 if b1 is not None else st.dummy
         b2_ = b2 if b2 is not None else st.dummy
         f = self._fns
-        with self._stream(x.device):
+        with launch.on_device(x.device):
             if self.fused:
                 call(f, "routing", table="routing_sync", idx=topk_idx, weight=topk_weight, row_src=ws.row_src,
                      row_w=ws.row_w, tile_group=ws.tile_group, meta=ws.meta, slot_pos=ws.slot_pos, sync=ws.sync)
@@ -1136,7 +1132,7 @@ class CompiledMoE:
         # Host order: each kernel is launched as early as its inputs allow and host-side work (allocations, the
         # error-flag fold) comes after the long kernels are queued, so the GPU does not wait for the host between
         # the short routing kernel and GEMM 1 (bench/NOTES.md v7, tools/step_timeline.py).
-        with self._stream(dev):
+        with launch.on_device(dev):
             call(f, "routing", idx=topk_idx, weight=topk_weight, row_src=sv.row_src, row_w=sv.row_w,
                  tile_group=sv.tile_group, meta=sv.meta, slot_pos=sv.slot_pos)
             cap = sv.z.shape[0]
@@ -1218,7 +1214,7 @@ class CompiledMoE:
         # is ahead of the GPU at the end of the step (bench/NOTES.md v7). Stream order keeps every dependency.
         w8 = self.fp8_wgrads
         wm = self.mx_wgrads   # MXFP8 weight gradients (plan wgrad*_dtype=mxfp8)
-        with self._stream(dev):
+        with launch.on_device(dev):
             buf = torch.empty((cap, H), dtype=torch.bfloat16, device=dev)   # dO rows, then dx per slot, then x rows
             if "wgrad2" not in w8 and "wgrad2" not in wm:   # the bf16 dO rows: BF16 wgrad2's operand
                 call(f, GATHER_KERNEL, x=dy, row_src=sv.row_src, meta=sv.meta, xg=buf)
