@@ -134,6 +134,13 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
     for key in [k for k in cfg if k.endswith("_promote") and cfg[k] == "stagger" and not k.startswith("wgrad")]:
         if not out and (why := P.stagger_problem(_fp8_gemm_of(P.solve(spec, arch), key.removesuffix("_promote")))):
             out.append(f"{key}: stagger {why}")
+    if cfg.get("gemm1_h_quant") == "epilogue" and not out:   # against the GEMM 1 tile the rest of the config gives
+        try:
+            g1 = P.solve(spec, arch, **{k: v for k, v in cfg.items() if k != "gemm1_h_quant"}).gemm1
+        except P.PlanError:
+            g1 = None   # the rest is refused by the solver itself, which says why
+        if g1 is not None and (why := P.h_quant_problem(dataclasses.replace(g1, h_quant="epilogue"))):
+            out.append(f"gemm1_h_quant: epilogue {why}")
     if cfg.get("dgrad1_z_load") == "tma" and not out and (why := P.z_stage_problem(P.solve(spec, arch).backward.dgrad1)):
         out.append(f"dgrad1_z_load: tma {why}")
     if "dgrad1_z_chunk" in cfg and not out:   # against the FP8 dgrad1's tile

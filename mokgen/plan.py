@@ -1073,6 +1073,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
         if (why := h_quant_problem(g)) is not None:
             raise PlanError(f"plan.gemm1_h_quant: {mode} {why}")
         gemms["gemm1"] = g
+    else:
+        gemms["gemm1"] = dataclasses.replace(gemms["gemm1"], h_quant=fp8_default_h_quant(spec, gemms["gemm1"]))
     backward = plan.backward and dataclasses.replace(plan.backward, dgrad1=gemms["dgrad1"], dgrad2=gemms["dgrad2"])
     g1 = gemms["gemm1"]
     if a_load == "gather" and (why := fp8_gather_problem(spec, g1)) is not None:
@@ -1123,6 +1125,23 @@ def _fp8_gather_gemm1(a: Arch, g: GemmPlan) -> GemmPlan:
     stages as then fit (within a stage override's count)."""
     gg = _with_epi_store(dataclasses.replace(g, a_load="gather", z_store="direct"), parts=2)
     return dataclasses.replace(gg, stages=min(g.stages, _fp8_fill_stages(a, gg).stages))
+
+
+# Where h's 1 x 128 quantization runs by default (plan gemm1.h_quant): in GEMM 1's epilogue where GEMM 1's K (hidden)
+# is at most FP8_H_QUANT_EPILOGUE_MAX_K, else the quant_rows_used launch. The epilogue saves a pass over h (3 bytes
+# an element: bf16 in, e4m3 out), a cost that scales with rows x ffn, while what it costs GEMM 1 grew with K in the
+# measurement: H100, bench_backward 5 rounds, same process, inference forward ms kernel -> epilogue (bench/NOTES.md
+# v37): qwen3-30b-a3b-fp8 (K 2048) 0.618 -> 0.588, qwen3.5-397b-a17b-fp8 (K 4096) 0.757 -> 0.737, glm-5-fp8
+# (K 6144) 1.525 -> 1.542, kimi-k2-fp8 (K 7168) 1.786 -> 1.826. `mokgen tune` searches both (FP8_SEARCH_AXES).
+FP8_H_QUANT_EPILOGUE_MAX_K = 4096
+
+
+def fp8_default_h_quant(spec: Spec, g: GemmPlan) -> str:
+    """FP8 GEMM 1 plan `g`'s default h_quant: "epilogue" where it applies (h_quant_problem) and hidden is at most
+    FP8_H_QUANT_EPILOGUE_MAX_K, else "kernel"."""
+    if spec.hidden > FP8_H_QUANT_EPILOGUE_MAX_K:
+        return "kernel"
+    return "epilogue" if h_quant_problem(dataclasses.replace(g, h_quant="epilogue")) is None else "kernel"
 
 
 def h_quant_problem(g: GemmPlan) -> str | None:
@@ -1212,9 +1231,10 @@ def fp8_plan(spec: Spec, a: Arch, plan: Plan, wide: tuple[str, ...] | None = Non
     note = ("fp8: e4m3 forward and dgrad GEMMs, 128-wide K blocks promoted into fp32 (DeepSeek-V3's recipe); BF16 "
             "weight-gradient GEMMs; the forward's predicted time is the FP8 model's (fitted to the FP8 forward "
             "records)")
+    g1 = form(1, plan.gemm1)
     return _with_forward_gemms(spec, a, dataclasses.replace(plan, schedule="chain", backward=backward,
                                                             notes=plan.notes + (note,)),
-                               form(1, plan.gemm1), form(2, plan.gemm2))
+                               dataclasses.replace(g1, h_quant=fp8_default_h_quant(spec, g1)), form(2, plan.gemm2))
 
 
 def _with_forward_gemms(spec: Spec, a: Arch, plan: Plan, g1: GemmPlan, g2: GemmPlan) -> Plan:

@@ -41,7 +41,8 @@ SEARCH_AXES = ("schedule", "gemm1_bn", "gemm2_bn", "gemm1_consumer", "gemm2_cons
 # each forward GEMM's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14, v26), GEMM 1's A path (TMA tiles
 # of quant_rows_gather's rows, or its own gather of the per-token rows: v31) and the W-tile cluster. The dgrads'
 # promotion is tune --train's (BACKWARD_SEARCH_AXES).
-FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm1_bn", "gemm2_bn", "gemm1_a_load", "cluster")
+FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm1_bn", "gemm2_bn", "gemm1_a_load", "gemm1_h_quant",
+                   "cluster")
 
 # The backward axes `mokgen tune --train` searches, one at a time around the plan it starts from (each backward
 # GEMM is its own launch: a knob of one kernel changes that kernel's time only, so the per-kernel winners are
@@ -127,10 +128,12 @@ SM90 = ArchSpace(
         Knob("z_store", ("gemm1",), ("ring", "direct"), search=("ring", "direct"),
              doc="GEMM 1 of a training step: z through the stage ring beside the output (TMA-stored by the storer "
                  "warp; needs epi_store ring) or 4-byte global stores by the consumer threads"),
-        Knob("h_quant", ("gemm1",), ("kernel", "epilogue"), search=None,
+        Knob("h_quant", ("gemm1",), ("kernel", "epilogue"), search=("kernel", "epilogue"),
              doc="FP8 specs: h's 1 x 128 e4m3 quantization for GEMM 2 by the quant_rows_used launch (kernel) or in "
-                 "GEMM 1's epilogue (epilogue: the 256-column GEMM 1 tile holds one scale block per row; built, "
-                 "not yet measured: bench/NOTES.md v26); derived: kernel"),
+                 "GEMM 1's epilogue (epilogue: the 256-column GEMM 1 tile holds one scale block per row, 8-byte "
+                 "stores); derived: epilogue where it applies and hidden <= 4096 (plan.FP8_H_QUANT_EPILOGUE_MAX_K: "
+                 "measured faster at K 2048 / 4096, slower at 6144 / 7168 on an H100, bench/NOTES.md v37), else "
+                 "kernel"),
         Knob("bn", _BWD, _BN, search=_BN,
              doc="backward GEMMs' tile N; derived: the widest dividing N that fits (dgrad1: must divide ffn, and "
                  "its z chunk follows as min(16, bn/4))"),

@@ -12,11 +12,14 @@ from mokgen.spec import Spec
 
 
 BF16W = dict(wgrad1_dtype="bf16", wgrad2_dtype="bf16")
+# these tests run h's quant_rows_used launch (the tiny specs' default is GEMM 1's epilogue: plan.fp8_default_h_quant;
+# test_h_quant_in_gemm1_epilogue compares the two)
+KERNEL_HQ = dict(gemm1_h_quant="kernel")
 
 
 def _case(seed=0, T=64):
     spec = Spec(name="t8", hidden=256, ffn=256, experts=4, topk=2, tokens=T, dtype="fp8")
-    pl = P.solve(spec, **BF16W)   # the FP8 weight gradients (the default) have their own tests: test_fp8_wgrad.py
+    pl = P.solve(spec, **BF16W, **KERNEL_HQ)   # the FP8 weight gradients (the default) have their own tests: test_fp8_wgrad.py
     moe = CompiledMoE(spec, pl, functions=R.reference_kernels(spec, pl.bm, training=True), allow_cpu=True)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, 256, generator=g).bfloat16()
@@ -104,7 +107,7 @@ def test_fp8_backward_sequence_and_two_streams():
     grads = {}
     for streams in (1, 2):
         spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=5)
-        pl2 = P.solve(spec, bwd_streams=streams, **BF16W)
+        pl2 = P.solve(spec, bwd_streams=streams, **BF16W, **KERNEL_HQ)
         assert pl2.backward.streams == streams
         calls = []
         fns = {n: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, n)
@@ -166,7 +169,7 @@ def test_gemm1_gathers_token_rows():
     ya, sa_ = moe.forward_train(x, idx, wt, w1, w2)
     ga = moe.backward(dy, sa_, x, wt, w1, w2)
     for epi, z_store in (("smem", "direct"), ("ring", "ring")):
-        pg = P.solve(spec, **BF16W, gemm1_a_load="gather", gemm1_epi_store=epi)
+        pg = P.solve(spec, **BF16W, **KERNEL_HQ, gemm1_a_load="gather", gemm1_epi_store=epi)
         assert (pg.gemm1.a_load, pg.train_gemm1.a_load, pg.train_gemm1.z_store) == ("gather", "gather", z_store)
         assert kernels.fp8_a_gather(pg) == ("gemm1", "gemm1_train") and "quant_rows" in kernels.fp8_layer_kernels(pg)
         calls = []
@@ -190,7 +193,7 @@ def test_gemm1_gathers_token_rows():
             assert torch.equal(getattr(ga, name), getattr(gb, name)), (epi, name)
     # the default form of large groups: inference gathers, training reads quant_rows_gather's rows by TMA
     big = Spec(name="t8b", hidden=256, ffn=256, experts=2, topk=1, tokens=4096, dtype="fp8")
-    pb = P.solve(big, **BF16W)
+    pb = P.solve(big, **BF16W, **KERNEL_HQ)
     assert (pb.gemm1.a_load, pb.gemm1.epi_store, pb.train_gemm1.a_load) == ("gather", "smem", "tma")
     mb = CompiledMoE(big, pb, functions=R.reference_kernels(big, pb.bm, training=True,
                                                               fp8_a_gather=kernels.fp8_a_gather(pb)), allow_cpu=True)
@@ -221,7 +224,7 @@ def test_reference_gemm1_refuses_the_other_row_form():
     from mokgen import kernels
 
     spec, pl, moe, x, idx, wt, w1, w2 = _case(seed=9)
-    pg = P.solve(spec, **BF16W, gemm1_a_load="gather")
+    pg = P.solve(spec, **BF16W, **KERNEL_HQ, gemm1_a_load="gather")
     wrong = CompiledMoE(spec, pg, functions=R.reference_kernels(spec, pg.bm, training=True), allow_cpu=True)
     with pytest.raises(ValueError, match="bound to read gathered rows .*fp8_a_gather"):
         wrong(x, idx, wt, w1, w2)

@@ -2,6 +2,7 @@
 overrides that apply and those refused, candidates and round trips. CPU only."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,8 @@ from mokgen import plan as P
 from mokgen.emit import emit
 from mokgen.plan import MIN_STAGES, Plan, PlanError, candidates, get_arch, solve
 from mokgen.spec import list_presets, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FP8_PRESETS = [s.name for s in list_presets() if s.dtype == "fp8"]
 
@@ -167,7 +170,7 @@ def test_fp8_emit():
 @pytest.mark.parametrize("name", FP8_PRESETS)
 def test_fp8_tune_space(name):
     """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion modes, the tiles' N, GEMM 1's A
-    path and the cluster forward; the dgrads' output
+    path, where h is quantized and the cluster forward; the dgrads' output
     path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
@@ -177,12 +180,15 @@ def test_fp8_tune_space(name):
     ok = {w: P.stagger_problem(getattr(solve(spec), w)) is None for w in ("gemm1", "gemm2")}
     # GEMM 1's A path: its own gather of the per-token rows (hidden a multiple of 128, cluster 1) or TMA tiles
     loads = ("gather", "tma") if spec.hidden % 128 == 0 else ("tma",)
+    # h's quantization in GEMM 1's epilogue: on its 256-column tile (one scale block per row)
     assert sorted(map(str, fwd)) == sorted(map(str, [
-        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm1_bn": b1, "gemm2_bn": bn, "gemm1_a_load": al, "cluster": c}
-        for p1 in modes for p2 in modes for b1 in (128, 256) for bn in (128, 256) for al in loads for c in (1, 2)
+        {"gemm1_promote": p1, "gemm2_promote": p2, "gemm1_bn": b1, "gemm2_bn": bn, "gemm1_a_load": al,
+         "gemm1_h_quant": hq, "cluster": c}
+        for p1 in modes for p2 in modes for b1 in (128, 256) for bn in (128, 256) for al in loads
+        for hq in ("kernel", "epilogue") for c in (1, 2)
         if (bn == 128 or (c == 1 and (p2 == "serial" or (p2 == "stagger" and ok["gemm2"]))))
         and (b1 == 128 or (c == 1 and spec.ffn % 128 == 0 and (p1 == "serial" or (p1 == "stagger" and ok["gemm1"]))))
-        and (al == "tma" or c == 1)]))
+        and (al == "tma" or c == 1) and (hq == "kernel" or b1 == 256)]))
     bwd = list(configs.enumerate_backward_configs(spec))
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
@@ -289,8 +295,24 @@ def test_fp8_wide_gemm1(name):
     assert "MMA_SPLIT" not in emit(base).files["gemm1.py"]
 
 
+@pytest.mark.parametrize("name,want", [("qwen3-30b-a3b-fp8", "epilogue"), ("tools/specs/qwen3.5-397b-a17b-fp8.yaml", "epilogue"),
+                                       ("tools/specs/glm-5-fp8.yaml", "kernel"), ("kimi-k2-fp8", "kernel"),
+                                       ("gpt-oss-120b-fp8", "kernel")])
+def test_fp8_h_quant_default(name, want):
+    """h's quantization runs in GEMM 1's epilogue by default where GEMM 1's K (hidden) is at most
+    FP8_H_QUANT_EPILOGUE_MAX_K and its tile is the 256-column one (gpt-oss-120b's ffn 2880 gives 128 columns); the
+    solver, the candidates and the training GEMM 1 agree, and a 128-column override falls back to the kernel."""
+    spec = load_spec(str(ROOT / name) if name.startswith("tools/") else name)
+    p = solve(spec)
+    assert (p.gemm1.h_quant, p.train_gemm1.h_quant) == (want, want)
+    assert candidates(spec)[0].gemm1.h_quant == want
+    assert (want == "epilogue") == (spec.hidden <= P.FP8_H_QUANT_EPILOGUE_MAX_K and spec.ffn % 128 == 0)
+    assert solve(spec, gemm1_bn=128).gemm1.h_quant == "kernel"
+    assert solve(spec, gemm1_h_quant="kernel").gemm1.h_quant == "kernel"
+
+
 def test_fp8_h_quant_override():
-    """gemm1_h_quant=epilogue (opt-in, built, not yet measured): GEMM 1's 256-column tile quantizes h per 1 x 128
+    """gemm1_h_quant=epilogue (kimi-k2's default is kernel: hidden 7168 > FP8_H_QUANT_EPILOGUE_MAX_K): GEMM 1's 256-column tile quantizes h per 1 x 128
     in its epilogue (one scale block per row of its 128 h columns); the 128-column tile, a BF16 spec and an
     unknown value are refused with the reason; the emitted GEMM 1 files take hq / hs (gemm1*_hq_fp8 tables) and
     the rest of the plan is unchanged."""
