@@ -108,3 +108,20 @@ def test_fp8_y_check_is_tighter_than_the_bf16_reference(cpu_fp8_case):
     gb.check_y(y, y_ref, "t8")
     y16 = ref.forward(inp.x, inp.topk_idx, inp.topk_weight, inp.w1, inp.w2, spec).float()
     assert ref.rel_err(y, y16) > gb.TOL
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_fp8_tokens_check_against_the_reference_kernels(cpu_fp8_case, monkeypatch, tokens):
+    """test_tokens_not_a_tile_multiple on an FP8 spec checks the gradients against the same step on the reference
+    kernels (within gb.TOL; the BF16 reference's FP8 bound skips the router gradient of fewer than 64 values): it
+    passes on the reference kernels themselves and fails once the step's dw1 is 5% off."""
+    gb.test_tokens_not_a_tile_multiple(cpu_fp8_case, tokens)
+    real = gb.train_call
+
+    def off(*a, **kw):
+        y, g = real(*a, **kw)
+        return y, g._replace(w1=g.w1 * 1.05)
+
+    monkeypatch.setattr(gb, "train_call", off)
+    with pytest.raises(AssertionError, match=r"reference kernels\): dw1 relative error"):
+        gb.test_tokens_not_a_tile_multiple(cpu_fp8_case, tokens)

@@ -427,9 +427,31 @@ def test_tokens_not_a_tile_multiple(case, tokens):
     y, g = train_call(moe, c, dy)
     sync()
     check_y(y, y_ref, f"{spec.name}/T={tokens}")
-    check_grads(g, g_ref, c, f"{spec.name}/T={tokens}", tol=grad_tol(spec))
+    if spec.dtype == "fp8":
+        # against the same step on the reference kernels (float32 math on the quantized operands each kernel
+        # receives) within TOL; the BF16 reference's FP8 bound only where a gradient has enough elements for a
+        # norm: at T = 1 the router gradient has K values, and its distance to the BF16 reference spread 0.03-0.12
+        # over 12 seeds in the CPU emulation (bench/NOTES.md v37), 0.171 once on an H100
+        check_grads(g, reference_kernel_grads(moe, c, dy), c, f"{spec.name}/T={tokens} (reference kernels)")
+        check_grads(g, g_ref, c, f"{spec.name}/T={tokens}", tol=grad_tol(spec),
+                    skip=("topk_weight",) if tokens * spec.topk < 64 else ())
+    else:
+        check_grads(g, g_ref, c, f"{spec.name}/T={tokens}", tol=grad_tol(spec))
     check_empty_experts_zero(spec, c, g, f"{spec.name}/T={tokens}")
     moe.check_errors()
+
+
+def reference_kernel_grads(moe, inp, dy):
+    """The gradients of a training step of ``moe``'s plan on the reference kernels (mokgen.reference.reference_kernels,
+    as tests/test_gpu_fp8.py::test_training_matches_reference_kernels runs them)."""
+    refm = mokgen.ops.CompiledMoE(moe.spec, moe.plan, functions=ref.reference_kernels(
+        moe.spec, moe.bm, training=True, fp8_wgrads=moe.fp8_wgrads, fp8_h_quant=moe.fp8_h_quant,
+        fp8_a_gather=moe.fp8_a_gather), allow_cpu=DEV == "cpu")
+    args = (inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
+    _, saved = refm.forward_train(inp.x, inp.topk_idx, *args[1:])
+    g = refm.backward(dy, saved, *args)
+    sync()
+    return ref.Grads(*(None if t is None else t.float() for t in g))
 
 
 def test_interleaved_layers(case):
