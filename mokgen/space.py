@@ -39,8 +39,8 @@ SEARCH_AXES = ("schedule", "gemm1_bn", "gemm2_bn", "gemm1_consumer", "gemm2_cons
 # The forward axes `mokgen tune` searches for an FP8 spec (the FP8 form fixes the consumers and schedule:
 # mokgen.plan.fp8_gemm): each forward GEMM's promotion (measured to differ per GEMM and shape: bench/NOTES.md v13),
 # each forward GEMM's tile N (128, or 256 in two wgmma halves: bench/NOTES.md v14, v26), GEMM 1's A path (TMA tiles
-# of quant_rows_gather's rows, or its own gather of the per-token rows: v31) and the W-tile cluster. The dgrads'
-# promotion is tune --train's (BACKWARD_SEARCH_AXES).
+# of quant_rows_gather's rows, or its own gather of the per-token rows: v31), where h is quantized (a launch after
+# GEMM 1 or its epilogue: v37) and the W-tile cluster. The dgrads' promotion is tune --train's (BACKWARD_SEARCH_AXES).
 FP8_SEARCH_AXES = ("gemm1_promote", "gemm2_promote", "gemm1_bn", "gemm2_bn", "gemm1_a_load", "gemm1_h_quant",
                    "cluster")
 
