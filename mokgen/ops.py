@@ -168,6 +168,14 @@ def fp8_h_quant(plan: Any) -> bool:
     return mode == "epilogue"
 
 
+def fp8_reference_kernels(spec: Any, plan: Any, training: bool = True) -> dict[str, Callable[..., None]]:
+    """The reference kernels (:func:`mokgen.reference.reference_kernels`) of FP8 plan `plan`: its bm, weight-gradient
+    dtypes, where h is quantized and which GEMM 1 gathers its rows, all read off the plan (a stand-in for the
+    plan's built library, e.g. to run it on the CPU)."""
+    return reference.reference_kernels(spec, plan.bm, training=training, fp8_wgrads=fp8_wgrads(plan),
+                                       fp8_h_quant=fp8_h_quant(plan), fp8_a_gather=kernels.fp8_a_gather(plan))
+
+
 def slot_group_weights(slot_pos: torch.Tensor, tile_group: torch.Tensor, row_w: torch.Tensor, bm: int,
                        groups: int) -> torch.Tensor:
     """[T, groups] fp32: per token, the weight of each of its slots (``row_w`` of the slot's row: the routing

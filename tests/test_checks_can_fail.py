@@ -84,8 +84,7 @@ def cpu_fp8_case(monkeypatch):
     monkeypatch.setattr(gb, "DEV", "cpu")
     spec = Spec(name="t8", hidden=256, ffn=256, experts=4, topk=2, tokens=64, dtype="fp8")
     pl = P.solve(spec, wgrad1_dtype="bf16", wgrad2_dtype="bf16")
-    moe = ops.CompiledMoE(spec, pl, functions=ref.reference_kernels(spec, pl.bm, training=True,
-                                                                    fp8_h_quant=ops.fp8_h_quant(pl)), allow_cpu=True)
+    moe = ops.CompiledMoE(spec, pl, functions=ops.fp8_reference_kernels(spec, pl), allow_cpu=True)
     inp = ref.random_inputs(spec, tokens=64, seed=0)
     dy = gb.make_dy(64, spec.hidden, seed=100)
     return gb.Case(spec, moe, inp, dy, *gb.reference(spec, inp, dy))

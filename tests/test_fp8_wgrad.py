@@ -11,7 +11,7 @@ import torch
 from mokgen import fp8
 from mokgen import plan as P
 from mokgen import reference as R
-from mokgen.ops import GATHER_KERNEL, CompiledMoE, fp8_h_quant, kernels_of
+from mokgen.ops import GATHER_KERNEL, CompiledMoE, fp8_reference_kernels, fp8_wgrads, kernels_of
 from mokgen.spec import Spec
 
 H, I, E, K = 256, 384, 4, 2
@@ -39,8 +39,7 @@ def _inputs(spec, seed):
 
 
 def _moe(spec, pl, calls=None, captured=None):
-    fns = R.reference_kernels(spec, pl.bm, training=True, fp8_wgrads=tuple(
-        n for n in ("wgrad1", "wgrad2") if getattr(pl.backward, n).elem_bytes == 1), fp8_h_quant=fp8_h_quant(pl))
+    fns = fp8_reference_kernels(spec, pl)
     if calls is not None or captured is not None:
         def wrap(n, f):
             def step(*a):
@@ -96,8 +95,8 @@ def test_gather_kernel_only_where_the_step_launches_it():
         files = {f.removesuffix(".py") for f in emit(pl).files if f.endswith(".py")}
         assert (GATHER_KERNEL in kernels_of(pl)) == want == (GATHER_KERNEL in files), (spec.bias, kw)
     pl = P.solve(_spec())
-    fns = {n: f for n, f in R.reference_kernels(_spec(), pl.bm, training=True, fp8_wgrads=("wgrad1", "wgrad2"),
-                                                fp8_h_quant=fp8_h_quant(pl)).items()
+    assert fp8_wgrads(pl) == ("wgrad1", "wgrad2")
+    fns = {n: f for n, f in fp8_reference_kernels(_spec(), pl).items()
            if n != GATHER_KERNEL}
     m = CompiledMoE(_spec(), pl, functions=fns, allow_cpu=True)
     assert m.trainable

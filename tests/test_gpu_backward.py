@@ -444,9 +444,8 @@ def test_tokens_not_a_tile_multiple(case, tokens):
 def reference_kernel_grads(moe, inp, dy):
     """The gradients of a training step of ``moe``'s plan on the reference kernels (mokgen.reference.reference_kernels,
     as tests/test_gpu_fp8.py::test_training_matches_reference_kernels runs them)."""
-    refm = mokgen.ops.CompiledMoE(moe.spec, moe.plan, functions=ref.reference_kernels(
-        moe.spec, moe.bm, training=True, fp8_wgrads=moe.fp8_wgrads, fp8_h_quant=moe.fp8_h_quant,
-        fp8_a_gather=moe.fp8_a_gather), allow_cpu=DEV == "cpu")
+    refm = mokgen.ops.CompiledMoE(moe.spec, moe.plan, functions=mokgen.ops.fp8_reference_kernels(moe.spec, moe.plan),
+                                  allow_cpu=DEV == "cpu")
     args = (inp.x, inp.topk_weight, inp.w1, inp.w2, inp.b1, inp.b2)
     _, saved = refm.forward_train(inp.x, inp.topk_idx, *args[1:])
     g = refm.backward(dy, saved, *args)

@@ -164,13 +164,10 @@ def test_training_matches_reference_kernels(case):
     """Forward and every gradient of a training step against the same step on the reference kernels
     (mokgen.reference.reference_kernels: float32 math on the dequantized operands each kernel receives: the
     quantized x, h, dO and dz rows, the weights' e4m3 copies and their transposes), within 1e-2."""
-    from mokgen.ops import CompiledMoE
+    from mokgen.ops import CompiledMoE, fp8_reference_kernels
 
     spec, moe, inp = case
-    refm = CompiledMoE(spec, moe.plan, functions=ref.reference_kernels(spec, moe.bm, training=True,
-                                                                       fp8_wgrads=moe.fp8_wgrads,
-                                                                       fp8_h_quant=moe.fp8_h_quant,
-                                                                       fp8_a_gather=moe.fp8_a_gather))
+    refm = CompiledMoE(spec, moe.plan, functions=fp8_reference_kernels(spec, moe.plan))
     dy = torch.randn(inp.x.shape[0], spec.hidden, device="cuda", dtype=torch.bfloat16)
     outs = []
     for m in (moe, refm):

@@ -66,14 +66,10 @@ def reference_compiler(bm: int = 16, fp8_overrides: Mapping[str, Any] | None = N
 
     def make(spec: Spec) -> Any:
         if getattr(spec, "dtype", "bf16") == "fp8":   # the FP8 launch sequence (quantize steps) follows a plan
-            from .. import kernels
             from .. import plan as P
 
             pl = P.solve(spec, "sm_90a", **dict(fp8_overrides or {}))
-            fns = reference.reference_kernels(spec, pl.bm, training=True, fp8_wgrads=ops.fp8_wgrads(pl),
-                                              fp8_h_quant=ops.fp8_h_quant(pl),
-                                              fp8_a_gather=kernels.fp8_a_gather(pl))
-            return ops.CompiledMoE(spec, pl, functions=fns, allow_cpu=True)
+            return ops.CompiledMoE(spec, pl, functions=ops.fp8_reference_kernels(spec, pl), allow_cpu=True)
         if getattr(spec, "dtype", "bf16") == "mxfp8":   # the MXFP8 launch sequence of its sm_100a plan
             from .. import kernels
             from .. import plan as P
