@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -65,6 +66,17 @@ def gpu_name() -> str | None:
     except Exception:
         pass
     return None
+
+
+def gpu_tag(name: str) -> str:
+    """A GPU name's tag in benchmark record file names (``bench/results/<kind>-<tag>.json``): its model number
+    (``NVIDIA H200`` -> ``h200``, ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA A100-SXM4-80GB`` -> ``a100``),
+    else the whole name in lower case with each run of other characters as one '-' (``NVIDIA GeForce RTX 4090``
+    -> ``nvidia-geforce-rtx-4090``)."""
+    m = re.search(r"(?<![A-Za-z0-9])([A-Za-z]+[0-9]+[A-Za-z]*)(?![A-Za-z0-9])", name)
+    if m:
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
 def record_key(arch: str, gpu: str, tools: Mapping[str, str], template_hash: str, spec: Any) -> str:

@@ -253,6 +253,56 @@ def test_bench_dry_run(tmp_path, capsys):
     assert "torch_loop" in capsys.readouterr().out
 
 
+def test_records_go_to_the_gpus_own_file():
+    """The benchmarks' default record file is named after the GPU the run is on (bench_forward.default_out), so an
+    H100 run's rows never land among the H200's, which the cost model fits; and every committed per-GPU record
+    file holds only rows of its own GPU."""
+    bench = _load_bench()
+    cases = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100",
+             "NVIDIA B200": "b200", "NVIDIA GH200 480GB": "gh200", "Tesla V100-SXM2-16GB": "v100",
+             "NVIDIA GeForce RTX 4090": "nvidia-geforce-rtx-4090", "cpu": "cpu"}
+    for name, tag in cases.items():
+        assert bench.gpu_tag(name) == tag, name
+    assert bench.default_out("backward", torch.device("cpu")) == "bench/results/backward-cpu.json"
+    assert bench.gpu_tag("NVIDIA H100 80GB HBM3") != bench.gpu_tag("NVIDIA H200")
+    checked = 0
+    for path in sorted((REPO / "bench" / "results").glob("*-h[0-9]*.json*")):
+        tag = path.name.split(".")[0].rsplit("-", 1)[1]
+        text = path.read_text()
+        rows = ([json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl"
+                else json.loads(text))
+        gpus = {r["gpu"] for r in rows if isinstance(r, dict) and isinstance(r.get("gpu"), str)}
+        wrong = sorted(g for g in gpus if bench.gpu_tag(g) != tag)
+        assert not wrong, f"{path.name} holds rows of {wrong}"
+        checked += bool(gpus)
+    assert checked >= 10
+
+
+def test_merge_records_refuses_another_gpus_rows(tmp_path):
+    """tools/merge_records.py appends a device call's records to the GPU's own file only: H100 rows into an
+    ``-h200`` file are refused (exit 1, the file untouched), into ``-h100`` they are appended with the run label, and
+    a file named after no GPU takes any."""
+    path = REPO / "tools" / "merge_records.py"
+    mod_spec = importlib.util.spec_from_file_location("merge_records", path)
+    mr = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mr)
+    src = tmp_path / "call.json"
+    src.write_text(json.dumps([{"gpu": "NVIDIA H100 80GB HBM3", "impl": "mokgen", "median_ms": 1.0}]))
+    h200 = tmp_path / "fp8-h200.json"
+    h200.write_text(json.dumps([{"gpu": "NVIDIA H200", "impl": "mokgen", "median_ms": 0.9}], indent=1) + "\n")
+    before = h200.read_text()
+    assert mr.main([str(src), str(h200), "--run", "call 1"]) == 1
+    assert h200.read_text() == before
+    h100 = tmp_path / "fp8-h100.json"
+    assert mr.main([str(src), str(h100), "--run", "call 1", "--commit", "abc1234"]) == 0
+    rows = json.loads(h100.read_text())
+    assert rows == [{"gpu": "NVIDIA H100 80GB HBM3", "impl": "mokgen", "median_ms": 1.0, "run": "call 1",
+                     "versions": {"mokgen": "abc1234"}}]
+    vm = tmp_path / "warm-start-vm.json"
+    assert mr.main([str(src), str(vm), "--run", "call 1"]) == 0
+    assert mr.dest_tag(vm) is None and mr.dest_tag(h200) == "h200"
+
+
 def test_bench_dry_run_yaml_spec(tmp_path):
     """A spec given as a YAML path, with --tokens overriding T."""
     bench = _load_bench()

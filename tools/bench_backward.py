@@ -3,7 +3,7 @@
 pipeline and Liger-Kernel's fused Triton MoE.
 
     python tools/bench_backward.py [SPEC ...] [--tokens N] [--rounds N] [--impls mokgen,torch_grouped_mm,liger]
-                                   [--out bench/results/backward-h200.json] [--liger-autotune] [--dry-run]
+                                   [--out bench/results/backward-<gpu>.json] [--liger-autotune] [--dry-run]
 
 Shapes and inputs are those of ``tools/bench_forward.py`` (its helpers are imported, not copied): the ep=64
 per-rank shares of kimi-k2, deepseek-v4-pro, glm-5, qwen3.5-397b-a17b and the one-GPU qwen3-30b-a3b and
@@ -73,7 +73,7 @@ from mokgen import plan as P  # noqa: E402
 
 DEFAULT_SPECS = list(BF.DEFAULT_SPECS)
 DRY_RUN_SPECS = BF.DRY_RUN_SPECS
-DEFAULT_OUT = "bench/results/backward-h200.json"
+DEFAULT_OUT = f"{BF.RESULTS_DIR}/backward-<gpu>.json"   # BF.default_out: the GPU's own file
 IMPLS = ["mokgen", "torch_grouped_mm", "liger"]
 GRADS = ("x", "topk_weight", "w1", "w2", "b1", "b2")
 RECORD_FIELDS = BF.RECORD_FIELDS + [
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = BF.parse_impls(args.impls, IMPLS, "bench_backward")
     if device is None or impls is None:
         return 2
-    out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
+    out = args.out if args.out is not None else ("-" if args.dry_run else BF.default_out("backward", device))
     if args.no_mokgen:
         impls = [i for i in impls if i != "mokgen"]
     if device.type == "cpu":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Forward benchmark of the MoE layer: mokgen against the torch baselines of ``mokgen/baselines.py``.
 
-    python tools/bench_forward.py [SPEC ...] [--tokens N] [--out bench/results/forward-h200.json] [--no-mokgen]
+    python tools/bench_forward.py [SPEC ...] [--tokens N] [--out bench/results/forward-<gpu>.json] [--no-mokgen]
 
 Default shapes: the ep=64 per-rank share of kimi-k2, deepseek-v4-pro, glm-5, qwen3.5-397b-a17b (2048 tokens,
 local expert ids sampled with replacement, plus the shared expert) and the one-GPU qwen3-30b-a3b and
@@ -43,9 +43,13 @@ if str(_REPO) not in sys.path:
 import torch  # noqa: E402
 
 from mokgen import baselines as B  # noqa: E402
+from mokgen.tunedb import gpu_tag  # noqa: E402,F401  (the tools' BF.gpu_tag)
 
 DEFAULT_SPECS = ["kimi-k2", "deepseek-v4-pro", "glm-5", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
-DEFAULT_OUT = "bench/results/forward-h200.json"
+# records go to bench/results/<kind>-<gpu tag>.json (default_out): an H100 run's rows in forward-h100.json, not
+# among the H200's (the cost model fits forward-h200.json and fp8-h200.json)
+RESULTS_DIR = "bench/results"
+DEFAULT_OUT = f"{RESULTS_DIR}/forward-<gpu>.json"
 IMPLS = ["mokgen", "torch_grouped_mm", "torch_gemm_only", "dense_layer_mm", "torch_loop", "dense_mm"]
 RECORD_FIELDS = ["gpu", "date", "versions", "shape", "dims", "impl", "median_ms", "tflops",
                  "speedup_vs_grouped_mm", "rel_err", "bitwise_deterministic"]
@@ -313,6 +317,12 @@ def gpu_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def default_out(kind: str, device: torch.device) -> str:
+    """The records file of `kind` (forward, backward, fp8, ...) for the GPU `device` is: bench/results/
+    <kind>-<gpu_tag>.json, so a run on an H100 never lands among an H200's records."""
+    return f"{RESULTS_DIR}/{kind}-{gpu_tag(gpu_name(device))}.json"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -665,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             _free(device)
     _log(f"total {time.perf_counter() - t_start:.1f}s")
     print_table(records, f"MoE forward, {ctx['gpu']} ({timer.method})")
-    out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
+    out = args.out if args.out is not None else ("-" if args.dry_run else default_out("forward", device))
     if out != "-":
         append_records(out, records)
         _log(f"appended {len(records)} records to {out}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """FP8 forward (and --backward) benchmark of the MoE layer: the peers mokgen's FP8 is measured against.
 
-    python tools/bench_fp8.py [SPEC ...] [--tokens N] [--out bench/results/fp8-h200.json] [--impls a,b]
+    python tools/bench_fp8.py [SPEC ...] [--tokens N] [--out bench/results/fp8-<gpu>.json] [--impls a,b]
                               [--backward] [--rounds R] [--settle-s S] [--dry-run]
 
 Shapes: those of tools/bench_forward.py (same T). Implementations per shape (``mokgen/baselines.py``):
@@ -57,7 +57,7 @@ import bench_forward as BF  # noqa: E402
 from mokgen import baselines as B  # noqa: E402
 
 DEFAULT_SPECS = list(BF.DEFAULT_SPECS)
-DEFAULT_OUT = "bench/results/fp8-h200.json"
+DEFAULT_OUT = f"{BF.RESULTS_DIR}/fp8-<gpu>.json"   # BF.default_out: the GPU's own file
 DRY_RUN_SPECS = BF.DRY_RUN_SPECS
 IMPLS = ["torch_grouped_mm", "mokgen", "torch_fp8_grouped_mm", "torch_fp8_grouped_mm_prequant",
          "torch_fp8_grouped_mm_fast_accum", "torch_fp8_gemm_only", "torchao_fp8", "mokgen_fp8",
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             BF._free(device)
     _log(f"total {time.perf_counter() - t0:.1f}s")
     print_table(records, f"MoE FP8, {ctx['gpu']} ({timer.method})")
-    out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
+    out = args.out if args.out is not None else ("-" if args.dry_run else BF.default_out("fp8", device))
     if out != "-":
         BF.append_records(out, records)
         _log(f"appended {len(records)} records to {out}")

@@ -3,7 +3,7 @@
 same rows sorted by expert, forward and forward + backward under autograd.
 
     python tools/bench_grouped.py [SPEC ...] [--tokens N] [--rounds N] [--no-probs] [--impls ...]
-                                  [--out bench/results/grouped-h200.json] [--dry-run]
+                                  [--out bench/results/grouped-<gpu>.json] [--dry-run]
 
 Shapes: each spec's per-rank layer seen as a framework's experts call: ``N = tokens * topk`` rows sorted by
 expert, ``E`` = the local experts, counts from a balanced random top-k routing (``bench_forward.make_inputs``),
@@ -64,7 +64,7 @@ DRY_RUN_SPECS: list[dict[str, Any]] = [
     dict(name="tiny-oai", hidden=64, ffn=64, experts=4, topk=2, tokens=48, activation="swiglu_oai",
          gate_up_layout="interleaved", bias=True),
 ]
-DEFAULT_OUT = "bench/results/grouped-h200.json"
+DEFAULT_OUT = f"{BF.RESULTS_DIR}/grouped-<gpu>.json"   # BF.default_out: the GPU's own file
 IMPLS = ["mokgen", "mokgen_fp8", "torch_grouped_mm", "mokgen_torchtitan", "torchtitan_grouped_mm"]
 BASELINE = {"mokgen": "torch_grouped_mm", "mokgen_fp8": "torch_grouped_mm",
             "mokgen_torchtitan": "torchtitan_grouped_mm"}
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         from mokgen.integrations import grouped as G
 
         G.set_compiler(G.reference_compiler())
-    out = args.out if args.out is not None else ("-" if args.dry_run else DEFAULT_OUT)
+    out = args.out if args.out is not None else ("-" if args.dry_run else BF.default_out("grouped", device))
     ok, why = B.grouped_mm_available(device)
     if not ok:
         for i in ("torch_grouped_mm", "torchtitan_grouped_mm"):

@@ -6,7 +6,7 @@ Liger-Kernel's qwen3_moe patch, in one process.
     python tools/bench_model.py [--steps 100] [--warmup-steps 10] [--batch 4] [--seq 1024] [--accum 1] [--layers 4]
                                 [--hidden 2048] [--experts 128] [--topk 8] [--moe-intermediate 768] [--vocab 8192]
                                 [--impls mokgen,mokgen_fp8,grouped_mm,liger] [--liger-full] [--liger-autotune] [--rounds 1]
-                                [--out bench/results/model-h200.json] [--dry-run]
+                                [--out bench/results/model-<gpu>.json] [--dry-run]
 
 The model: ``Qwen3MoeForCausalLM`` from ``Qwen3MoeConfig`` with qwen3-30b-a3b's layer shape (hidden 2048, 128
 experts, top-8, moe_intermediate 768, 32 heads of 128, 4 KV heads, norm_topk_prob) but ``--layers`` layers (4)
@@ -78,7 +78,7 @@ if str(_TOOLS) not in sys.path:
 import bench_forward as BF  # noqa: E402  (puts the repository root on sys.path too)
 import torch  # noqa: E402
 
-DEFAULT_OUT = "bench/results/model-h200.json"
+DEFAULT_OUT = f"{BF.RESULTS_DIR}/model-<gpu>.json"   # BF.default_out: the GPU's own file
 IMPLS = ["no_experts", "grouped_mm", "mokgen", "mokgen_fp8", "liger"]   # the run order: liger last (its patch
 #                                                                         replaces a class)
 MOKGEN_DTYPES = {"mokgen": "bf16", "mokgen_fp8": "fp8"}   # the backend's configure(dtype=...) per implementation
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     recs = records(a, results, ctx)
     _log(f"total {time.perf_counter() - t0:.1f}s")
     print_table(recs, f"{a.layers}-layer Qwen3-MoE-shaped model, {a.steps} AdamW steps, {ctx['gpu']}")
-    out = a.out if a.out is not None else ("-" if a.dry_run else DEFAULT_OUT)
+    out = a.out if a.out is not None else ("-" if a.dry_run else BF.default_out("model", device))
     if out != "-":
         BF.append_records(out, recs)
         _log(f"appended {len(recs)} records to {out}")

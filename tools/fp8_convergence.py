@@ -4,7 +4,7 @@ seed; both loss curves printed, one record written.
 
     python tools/fp8_convergence.py [--steps 300] [--tokens 2048] [--hidden 512] [--ffn 256] [--experts 8]
                                     [--topk 2] [--batches 4] [--lr 1e-3] [--seed 0]
-                                    [--out bench/results/fp8-train-h200.json]
+                                    [--out bench/results/fp8-train-<gpu>.json]
                                     [--fp8-set wgrad1_dtype=fp8,wgrad2_dtype=fp8] [--dry-run]
 
 The task: a fixed random *teacher* MoE layer in plain float32 torch (its own router, top-k softmax weights
@@ -50,7 +50,10 @@ import torch  # noqa: E402
 import mokgen  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
-DEFAULT_OUT = "bench/results/fp8-train-h200.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_forward as BF  # noqa: E402
+
+DEFAULT_OUT = f"{BF.RESULTS_DIR}/fp8-train-<gpu>.json"   # BF.default_out: the GPU's own file
 TOL = 0.02            # FP8's final loss within 2% of BF16's
 TAIL = 0.1            # the final loss: the mean over this last fraction of the steps
 LEARNED = 0.5         # a final loss below this: half the target's variance explained
@@ -234,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
         device, compiler, out = torch.device("cpu"), reference_compiler(bm=16, fp8_overrides=fp8_ov), a.out
     elif torch.cuda.is_available():
-        device, out = torch.device("cuda"), a.out or DEFAULT_OUT
+        device = torch.device("cuda")
+        out = a.out or BF.default_out("fp8-train", device)
         compiler = (lambda spec: mokgen.compile(spec, overrides=fp8_ov if spec.dtype == "fp8" else None)) \
             if fp8_ov else None
     else:

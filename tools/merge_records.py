@@ -5,13 +5,23 @@
 
 SRC/DEST: JSON lists of records (bench_forward / bench_backward / bench_fp8) or JSON-lines files (step_timeline).
 ``--commit`` sets ``versions.mokgen`` where the device copy reported a dirty or stale tree (the work tree it ran was
-that commit plus uncommitted edits: say so in the label)."""
+that commit plus uncommitted edits: say so in the label). A DEST named after a GPU (``fp8-h100.json``) takes only
+records of that GPU (``mokgen.tunedb.gpu_tag`` of their ``gpu``): records of another one are refused, nothing is
+written, and the exit status is 1."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from mokgen.tunedb import gpu_tag  # noqa: E402  (no torch at import)
 
 
 def load(path: Path) -> tuple[list, bool]:
@@ -23,15 +33,38 @@ def load(path: Path) -> tuple[list, bool]:
     return json.loads(text), False
 
 
-def main() -> int:
+def dest_tag(dest: Path) -> str | None:
+    """The GPU tag a per-GPU records file is named with (``fp8-h100.json`` -> ``h100``), or None for a file named
+    after no GPU model (e.g. ``warm-start-vm.json``, ``ptx-refactor.json``)."""
+    tail = dest.name.split(".")[0].rsplit("-", 1)[-1]
+    return tail if re.fullmatch(r"[a-z]+[0-9]+[a-z]*", tail) else None
+
+
+def foreign_rows(dest: Path, records: list) -> list[str]:
+    """The GPU names of `records` that do not belong in `dest` (its tag differs from theirs); [] when dest names
+    no GPU or the records name none."""
+    tag = dest_tag(dest)
+    if tag is None:
+        return []
+    return [r["gpu"] for r in records if isinstance(r, dict) and isinstance(r.get("gpu"), str)
+            and r["gpu"] != "cpu" and gpu_tag(r["gpu"]) != tag]
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("src", type=Path)
     ap.add_argument("dest", type=Path)
     ap.add_argument("--run", required=True)
     ap.add_argument("--commit", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     new, _ = load(a.src)
     old, lines = load(a.dest)
+    wrong = foreign_rows(a.dest, new)
+    if wrong:
+        print(f"merge_records: {a.dest.name} is the file of '{dest_tag(a.dest)}' GPUs, but {len(wrong)} of the "
+              f"{len(new)} records ran on {sorted(set(wrong))}: merge them into that GPU's file "
+              f"(bench/results/<kind>-{{tag}}.json, tag as mokgen.tunedb.gpu_tag names it)", file=sys.stderr)
+        return 1
     for r in new:
         r["run"] = a.run
         if a.commit:

@@ -2,7 +2,7 @@
 """Tune specs and sweep T: the piecewise (tuned) plan against the single-T plan, in the same process (GPU).
 
     python tools/tune_sweep.py SPEC[,SPEC...] [--tokens 4096,16384] [--budget 4]
-        [--sweep 512,1024,2048,4096,8192,16384] [--rounds 3] [--out bench/results/tune-h200.json]
+        [--sweep 512,1024,2048,4096,8192,16384] [--rounds 3] [--out bench/results/tune-<gpu>.json]
 
 For each spec: ``mokgen.tune.tune`` at ``--tokens`` (the record's ``default_ms`` / ``tuned_ms`` are timed in
 that process), then every T of ``--sweep`` times, interleaved round by round: ``single`` (the solver's plan
@@ -66,9 +66,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--arch")
-    ap.add_argument("--out", default="bench/results/tune-h200.json")
+    ap.add_argument("--out", default=None, help="JSON the results are appended to (default bench/results/"
+                    "tune-<gpu>.json: the GPU's own file, bench_forward.default_out)")
     a = ap.parse_args(argv)
     arch = resolve_arch(a.arch)
+    if a.out is None:
+        import torch
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_forward as BF
+
+        a.out = BF.default_out("tune", torch.device("cuda"))
     for s in a.specs.split(","):
         spec = load_spec(s)
         print(f"== {spec.name}: tune at T = {a.tokens}, budget {a.budget:g} min", flush=True)
