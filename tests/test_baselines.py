@@ -278,7 +278,7 @@ def test_records_go_to_the_gpus_own_file():
     assert checked >= 10
 
 
-def test_merge_records_refuses_another_gpus_rows(tmp_path):
+def test_merge_records_refuses_another_gpus_rows(tmp_path, capsys):
     """tools/merge_records.py appends a device call's records to the GPU's own file only: H100 rows into an
     ``-h200`` file are refused (exit 1, the file untouched), into ``-h100`` they are appended with the run label, and
     a file named after no GPU takes any."""
@@ -293,6 +293,7 @@ def test_merge_records_refuses_another_gpus_rows(tmp_path):
     before = h200.read_text()
     assert mr.main([str(src), str(h200), "--run", "call 1"]) == 1
     assert h200.read_text() == before
+    assert "merge them into fp8-h100.json" in capsys.readouterr().err
     h100 = tmp_path / "fp8-h100.json"
     assert mr.main([str(src), str(h100), "--run", "call 1", "--commit", "abc1234"]) == 0
     rows = json.loads(h100.read_text())

@@ -61,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     old, lines = load(a.dest)
     wrong = foreign_rows(a.dest, new)
     if wrong:
-        print(f"merge_records: {a.dest.name} is the file of '{dest_tag(a.dest)}' GPUs, but {len(wrong)} of the "
-              f"{len(new)} records ran on {sorted(set(wrong))}: merge them into that GPU's file "
-              f"(bench/results/<kind>-{{tag}}.json, tag as mokgen.tunedb.gpu_tag names it)", file=sys.stderr)
+        tag = dest_tag(a.dest)
+        theirs = sorted({a.dest.name.replace(f"-{tag}.", f"-{gpu_tag(g)}.") for g in wrong})
+        print(f"merge_records: {a.dest.name} is the file of '{tag}' GPUs, but {len(wrong)} of the {len(new)} "
+              f"records ran on {sorted(set(wrong))}: merge them into {', '.join(theirs)}; nothing written",
+              file=sys.stderr)
         return 1
     for r in new:
         r["run"] = a.run
