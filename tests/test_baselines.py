@@ -253,6 +253,13 @@ def test_bench_dry_run(tmp_path, capsys):
     assert "torch_loop" in capsys.readouterr().out
 
 
+def _load_merge_records():
+    mod_spec = importlib.util.spec_from_file_location("merge_records", REPO / "tools" / "merge_records.py")
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
 def test_records_go_to_the_gpus_own_file():
     """The benchmarks' default record file is named after the GPU the run is on (bench_forward.default_out), so an
     H100 run's rows never land among the H200's, which the cost model fits; and every committed per-GPU record
@@ -265,16 +272,14 @@ def test_records_go_to_the_gpus_own_file():
         assert bench.gpu_tag(name) == tag, name
     assert bench.default_out("backward", torch.device("cpu")) == "bench/results/backward-cpu.json"
     assert bench.gpu_tag("NVIDIA H100 80GB HBM3") != bench.gpu_tag("NVIDIA H200")
+    mr = _load_merge_records()
     checked = 0
     for path in sorted((REPO / "bench" / "results").glob("*-h[0-9]*.json*")):
-        tag = path.name.split(".")[0].rsplit("-", 1)[1]
-        text = path.read_text()
-        rows = ([json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl"
-                else json.loads(text))
-        gpus = {r["gpu"] for r in rows if isinstance(r, dict) and isinstance(r.get("gpu"), str)}
-        wrong = sorted(g for g in gpus if bench.gpu_tag(g) != tag)
+        assert mr.dest_tag(path) is not None, path.name
+        rows, _ = mr.load(path)
+        wrong = sorted(set(mr.foreign_rows(path, rows)))
         assert not wrong, f"{path.name} holds rows of {wrong}"
-        checked += bool(gpus)
+        checked += any(isinstance(r, dict) and isinstance(r.get("gpu"), str) for r in rows)
     assert checked >= 10
 
 
@@ -282,10 +287,7 @@ def test_merge_records_refuses_another_gpus_rows(tmp_path, capsys):
     """tools/merge_records.py appends a device call's records to the GPU's own file only: H100 rows into an
     ``-h200`` file are refused (exit 1, the file untouched), into ``-h100`` they are appended with the run label, and
     a file named after no GPU takes any."""
-    path = REPO / "tools" / "merge_records.py"
-    mod_spec = importlib.util.spec_from_file_location("merge_records", path)
-    mr = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mr)
+    mr = _load_merge_records()
     src = tmp_path / "call.json"
     src.write_text(json.dumps([{"gpu": "NVIDIA H100 80GB HBM3", "impl": "mokgen", "median_ms": 1.0}]))
     h200 = tmp_path / "fp8-h200.json"

@@ -43,7 +43,7 @@ if str(_REPO) not in sys.path:
 import torch  # noqa: E402
 
 from mokgen import baselines as B  # noqa: E402
-from mokgen.tunedb import gpu_tag  # noqa: E402,F401  (the tools' BF.gpu_tag)
+from mokgen.tunedb import gpu_tag  # noqa: E402
 
 DEFAULT_SPECS = ["kimi-k2", "deepseek-v4-pro", "glm-5", "qwen3.5-397b-a17b", "qwen3-30b-a3b", "gpt-oss-120b"]
 # records go to bench/results/<kind>-<gpu tag>.json (default_out): an H100 run's rows in forward-h100.json, not
