@@ -564,6 +564,14 @@ def _with_consumer(arch: Arch, g: GemmPlan, consumer: str) -> GemmPlan:
     return _with_z_load(g) if g.z_load == "tma" else g
 
 
+def _epi_buffers_text(g: GemmPlan) -> str:
+    """--explain's words for GEMM `g`'s epilogue buffers (counted in its shared memory either way)."""
+    text = f"epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers"
+    if g.epi_store == "ring":
+        text += " (allocated; the output itself goes through the stage ring, TMA-stored by the storer warp)"
+    return text
+
+
 def z_stage_problem(g: GemmPlan) -> str | None:
     """Why dgrad1 plan `g` cannot take its z through the stage ring (z_load "tma"), or None. A z stage is one
     (128, ZQ) bf16 box of gate and one of up (or two of interleaved pairs) in the shared memory of one W stage,
@@ -1676,7 +1684,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
            f"{GATHER_MIN_GROUP_ROWS}): default {_gemm1_a_load(spec)} (gather = cp.async in GEMM 1's producer, "
            f"tma = gather kernel + TMA)"] if which == 1 else []),
         f"  bn = {g.bn}: {bn_rule}",
-        f"  smem per stage = {_rules().STAGE_BYTES} = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
+        f"  smem per stage = {_rules().STAGE_BYTES} = {stage} B; {_epi_buffers_text(g)}; "
         f"barriers {BARRIER_BYTES} B",
         f"  stages <= {_rules().STAGES_FIT} = {float(fit):.2f} -> stages = {g.stages} "
         f"(range [{MIN_STAGES}, {MAX_STAGES}]; {used} of {arch.smem_per_cta} B smem)",
@@ -1728,12 +1736,14 @@ def _explain_fp8_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmC
                                              f"; {FP8_BNS[1]} with the override {('gemm1', 'gemm2')[which - 1]}_bn "
                                              f"(mma_split 2))")),
         "  smem per stage = BK*(BM + BN)*1 B" + (f" + {g.stage_scale_bytes} B of scales" if g.stage_scale_bytes
-                                                 else "") + f" = {stage} B; epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers; "
+                                                 else "") + f" = {stage} B; {_epi_buffers_text(g)}; "
         f"barriers {BARRIER_BYTES} B -> stages = {g.stages} (the most that fit, range [{MIN_STAGES}, {MAX_STAGES}]; "
         f"{g.smem_bytes()} of {arch.smem_per_cta} B, {fixed} B besides the ring)",
         f"  promotion: {g.promote} (overlap: the next K block's wgmma issued before this block's scaling, in "
-        f"chains of 8 blocks; default for the forward GEMMs, measured 2-15% faster training steps; stagger: the "
-        f"two warpgroups one block apart, no gain measured: bench/NOTES.md v13)",
+        f"chains of 8 blocks; default for the forward GEMMs' 128-column tiles, measured 2-15% faster training "
+        f"steps; 256-column tiles in two halves (mma_split 2) have no registers for its second per-block "
+        f"accumulator and promote serially; stagger: the two warpgroups one block apart, no gain measured: "
+        f"bench/NOTES.md v13)",
         "  scales: " + (f"staged (scale_load stage: a producer warp copies each K block's {g.tile_m} A-row and W "
                          f"scales into a shared-memory ring, {g.stage_scale_bytes} B a stage)" if g.stage_scale_bytes
                          else "global loads by the consumer threads at each block's issue (scale_load global)")
