@@ -210,13 +210,17 @@ def test_grouped_mm_no_host_sync_gpu():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _load_bench():
-    path = REPO / "tools" / "bench_forward.py"
-    mod_spec = importlib.util.spec_from_file_location("bench_forward", path)
+def _load_tool(name: str):
+    """tools/<name>.py as module `name` (registered in sys.modules, as the tools import each other)."""
+    mod_spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(mod_spec)
-    sys.modules["bench_forward"] = mod
+    sys.modules[name] = mod
     mod_spec.loader.exec_module(mod)
     return mod
+
+
+def _load_bench():
+    return _load_tool("bench_forward")
 
 
 def test_bench_dry_run(tmp_path, capsys):
@@ -254,10 +258,7 @@ def test_bench_dry_run(tmp_path, capsys):
 
 
 def _load_merge_records():
-    mod_spec = importlib.util.spec_from_file_location("merge_records", REPO / "tools" / "merge_records.py")
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return _load_tool("merge_records")
 
 
 def test_records_go_to_the_gpus_own_file():

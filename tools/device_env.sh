@@ -9,7 +9,8 @@
 #   .devdeps/cutlass-dsl-*.tar.xz              the CuTe DSL bundle (../shared/device/README.md), if present
 #   .devdeps/libcute_dsl_runtime.so.xz         the DSL runtime alone (for loading prebuilt kernels) -> MOKGEN_RUNTIME_LIB
 #   .prebuilt/*.tar.xz                         `mokgen cache pack` archives, unpacked into $MOKGEN_CACHE_DIR
-# and PYTHONPATH is set so that `import mokgen` works from the repository root.
+# and PYTHONPATH is set so that `import mokgen` works from the repository root; MOKGEN_GPU_TAG names the card
+# (h200, h100, ...) for the record files the device scripts write.
 # It never exits the calling shell; it returns non-zero (and says why) if a step fails.
 
 _mokgen_env() {
@@ -67,6 +68,11 @@ print("device_env: python %s; %s" % (sys.version.split()[0], ", ".join(f"{m} {'o
       for m, v in have.items())))
 sys.exit(0 if have["mokgen"] else 1)
 PY
+  # the card's tag for record file names (mokgen.tunedb.gpu_tag: h200, h100, ...), so that a call's records go to
+  # bench/results/<kind>-<tag>.json, the file tools/merge_records.py takes them into
+  MOKGEN_GPU_TAG=$("$py" -c "import torch, mokgen.tunedb as t; print(t.gpu_tag(torch.cuda.get_device_name(0)))" \
+    2>/dev/null || echo unknown)
+  export MOKGEN_GPU_TAG
 }
 _mokgen_env
 _mokgen_env_rc=$?

@@ -16,8 +16,6 @@
 source tools/device_env.sh || exit 1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
-# record files named after the card this call got (mokgen.tunedb.gpu_tag: h200, h100, ...), as tools/device_steps.sh
-GPU=$(python3 -c "import torch, mokgen.tunedb as t; print(t.gpu_tag(torch.cuda.get_device_name(0)))" 2>/dev/null || echo unknown)
 # CHECK_BUILDS unset: every .prebuilt/<spec>[@variant] directory; set and empty: none
 builds=${CHECK_BUILDS-$(for d in .prebuilt/*/; do [ -d "$d" ] || continue; d=${d%/}; n=$(basename "$d"); echo "$d:${n%@*}"; done)}
 hung=""
@@ -59,15 +57,15 @@ if [ -n "$BENCH_PLAN" ]; then
   for entry in $BENCH_PLAN; do
     spec=${entry%%:*}; vars=""; [ "$entry" != "$spec" ] && vars=$(filter_variants "${entry#*:}")
     timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py "$spec" --no-dense ${vars:+--variants "$vars"} ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
-      --loop-reps 1 --out "$OUT/forward-$GPU.json" 2>>"$OUT/bench.log" | grep -E '^│ ' | cut -c1-130
+      --loop-reps 1 --out "$OUT/forward-$MOKGEN_GPU_TAG.json" 2>>"$OUT/bench.log" | grep -E '^│ ' | cut -c1-130
     echo "bench $spec: exit ${PIPESTATUS[0]}"
   done
-  timeout 60 python3 tools/bench_forward.py --impls dense_mm --out "$OUT/forward-$GPU.json" 2>>"$OUT/bench.log" \
+  timeout 60 python3 tools/bench_forward.py --impls dense_mm --out "$OUT/forward-$MOKGEN_GPU_TAG.json" 2>>"$OUT/bench.log" \
     | grep -E '^│ '
 elif [ "${BENCH:-1}" = 1 ]; then
   BENCH_VARIANTS=$(filter_variants "$BENCH_VARIANTS")
   timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench_forward.py $BENCH_SPECS ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} \
-    --loop-reps 1 --out "$OUT/forward-$GPU.json" 2>"$OUT/bench.log" | tail -40; tail -3 "$OUT/bench.log"
+    --loop-reps 1 --out "$OUT/forward-$MOKGEN_GPU_TAG.json" 2>"$OUT/bench.log" | tail -40; tail -3 "$OUT/bench.log"
 fi
 if [ -n "$PROBE_BUILDS" ]; then
   timeout "${PROBE_TIMEOUT:-120}" python3 tools/probe_clocks.py $PROBE_BUILDS --json "$OUT/probe.json" 2>&1 | grep -v '^{' | cut -c1-400
@@ -87,5 +85,5 @@ if [ "${BWD_TESTS:-0}" = 1 ]; then
 fi
 if [ "${BENCH_BWD:-0}" = 1 ]; then
   timeout "${BENCH_BWD_TIMEOUT:-540}" python3 tools/bench_backward.py $BENCH_BWD_SPECS ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
-    --out "$OUT/backward-$GPU.json" 2>"$OUT/bench-bwd.log" | tail -30; tail -3 "$OUT/bench-bwd.log"
+    --out "$OUT/backward-$MOKGEN_GPU_TAG.json" 2>"$OUT/bench-bwd.log" | tail -30; tail -3 "$OUT/bench-bwd.log"
 fi

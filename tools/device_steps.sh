@@ -18,15 +18,12 @@
 #   ncu:SPECS                     Nsight Compute over tools/ncu_step.py (one training step's generated kernels):
 #                                 $OUT/step.ncu-rep, $OUT/ncu-raw.csv, $OUT/ncu-labels.txt (NCU_ARGS: extra ncu args;
 #                                 NCU_SOURCE=1: the SASS source page as $OUT/ncu-source.csv.gz)
-# GPU: the card's tag (mokgen.tunedb.gpu_tag of torch's device name: h200, h100, ...).
+# GPU: the card's tag, MOKGEN_GPU_TAG from tools/device_env.sh (h200, h100, ...).
 # Knobs: STEP_TIMEOUT (s, default 300), ROUNDS (3), SETTLE (0.5), BWD_ARGS / FWD_ARGS / TIMELINE_ARGS (extra args).
 # Environment: tools/device_env.sh (the DSL bundle and wheels carried in .devdeps / .whl).
 source tools/device_env.sh || exit 1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
-# the record files are named after the GPU this call got (mokgen.tunedb.gpu_tag: h200, h100, ...), so that
-# tools/merge_records.py puts them into the matching bench/results/<kind>-<gpu>.json
-GPU=$(python3 -c "import torch, mokgen.tunedb as t; print(t.gpu_tag(torch.cuda.get_device_name(0)))" 2>/dev/null || echo unknown)
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-3}; SETTLE=${SETTLE:-0.5}
 t0=$SECONDS
@@ -46,17 +43,17 @@ for step in "$@"; do
       echo "exit ${PIPESTATUS[0]}" ;;
     bwd)
       timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_backward.py $rest --rounds "$ROUNDS" --settle-s "$SETTLE" \
-        $BWD_ARGS --out "$OUT/backward-$GPU.json" 2>>"$OUT/bench-bwd.log" | tail -25
+        $BWD_ARGS --out "$OUT/backward-$MOKGEN_GPU_TAG.json" 2>>"$OUT/bench-bwd.log" | tail -25
       echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-bwd.log" | cut -c1-300 ;;
     fwd)
       timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_forward.py $rest --rounds "$ROUNDS" --settle-s "$SETTLE" \
-        $FWD_ARGS --out "$OUT/forward-$GPU.json" 2>>"$OUT/bench-fwd.log" | tail -25
+        $FWD_ARGS --out "$OUT/forward-$MOKGEN_GPU_TAG.json" 2>>"$OUT/bench-fwd.log" | tail -25
       echo "exit ${PIPESTATUS[0]}"; tail -2 "$OUT/bench-fwd.log" | cut -c1-300 ;;
     fp8)
       for s in $rest; do
         echo "=== $s" >> "$OUT/bench-fp8.log"; from=$(wc -l < "$OUT/bench-fp8.log")
         timeout "${STEP_TIMEOUT:-300}" python3 tools/bench_fp8.py "$s" --backward --rounds "$ROUNDS" --settle-s "$SETTLE" --no-dense \
-          --impls "${FP8_IMPLS:-torch_grouped_mm,mokgen,torch_fp8_grouped_mm,mokgen_fp8}" --out "$OUT/fp8-$GPU.json" \
+          --impls "${FP8_IMPLS:-torch_grouped_mm,mokgen,torch_fp8_grouped_mm,mokgen_fp8}" --out "$OUT/fp8-$MOKGEN_GPU_TAG.json" \
           2>>"$OUT/bench-fp8.log" | grep -E "mokgen|torch" | cut -c1-150
         echo "$s exit ${PIPESTATUS[0]}"; tail -n "+$from" "$OUT/bench-fp8.log" | grep FAILED | head -5 | cut -c1-200
       done ;;
