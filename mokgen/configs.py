@@ -127,7 +127,12 @@ def _check_fp8_config(spec: Any, arch: str, cfg: Mapping[str, Any]) -> list[str]
                 g1 = dataclasses.replace(g1, cluster=cluster, stage_scale_bytes=P.stage_scale_bytes(g1) if staged else 0)
                 if why := P.fp8_gather_problem(spec, g1):
                     out.append(f"{key}: gather {why}")
-        elif kernel.startswith("dgrad") and knob in ("bn", "stages", "consumer"):
+        elif kernel.startswith("dgrad") and knob == "stages":   # within what fits the FP8 tile: the plan says
+            try:
+                P.solve(spec, arch, **{k: v for k, v in cfg.items() if k == key or k in P.FP8_BN_KEYS})
+            except P.PlanError as e:
+                out.append(str(e).removeprefix("plan."))
+        elif kernel.startswith("dgrad") and knob in ("bn", "consumer"):
             out.append(f"{key}: the FP8 dgrad's tile is fixed ({knob})")
         elif knob in _FP8_FIXED and not kernel.startswith("wgrad"):
             out.append(f"{key}: fixed by the FP8 form ({_FP8_FIXED[knob]})")
@@ -246,10 +251,7 @@ def check_plan(plan: Any) -> list[str]:
         if (k % g.bk and g.elem_bytes != 1) or g.k_tiles != g.k_tiles_for(k) or g.n_tiles != -(-n // g.bn):
             out.append(f"{name}: k_tiles/n_tiles do not match N {n}, K {k}")
         tile_m = g.tile_m
-        stage = (tile_m + g.bn) * g.bk * g.elem_bytes
-        epi = (2 if g.consumer == "pingpong" else 1) * tile_m * P.EPI_N * P.ELEM_BYTES * P.EPI_BUFFERS
-        smem = g.stages * stage + epi + P.BARRIER_BYTES
-        if smem > a.smem_per_cta:
+        if (smem := g.smem_bytes()) > a.smem_per_cta:   # stages, scales, epilogue buffers (none with the ring)
             out.append(f"{name}: {g.stages} stages need {smem} B of shared memory > {a.smem_per_cta}")
         if P._acc_regs(g.bn) + P.REG_OVERHEAD > P._consumer_regs(a):
             out.append(f"{name}: accumulator registers {P._acc_regs(g.bn)} + {P.REG_OVERHEAD} exceed "

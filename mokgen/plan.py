@@ -171,9 +171,10 @@ def _stage_bytes(bn: int, consumer: str = "cooperative") -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # pure in hashable args; sympy subs are slow
-def _stages_bound(arch: Arch, bn: int, consumer: str = "cooperative") -> Any:
+def _stages_bound(arch: Arch, bn: int, consumer: str = "cooperative", ring: bool = False) -> Any:
+    """STAGES_FIT for tile N `bn`: beside the epilogue buffers, or with `ring` (the ring epilogue) none."""
     r = _rules()
-    values = {r.smem: arch.smem_per_cta, r.epi: _epi_bytes(), r.bar: BARRIER_BYTES, r.bk: BK,
+    values = {r.smem: arch.smem_per_cta, r.epi: 0 if ring else _epi_bytes(), r.bar: BARRIER_BYTES, r.bk: BK,
               r.bm: _tile_m(consumer), r.bn: bn}
     return r.STAGES_FIT.subs(values)
 
@@ -278,7 +279,8 @@ def _backward_gemm(spec: Spec, arch: Arch, name: str, bm: int, bn: int | None = 
     # a dgrad tile must not span two routing tiles (groups): with 64-row routing tiles, 64-row ping-pong tiles
     if k is not None and bm < BM:
         g = _with_consumer(arch, g, "pingpong")
-    return _wgrad_output(spec, arch, g) if k is None and not ring else _with_epi_store(g)
+    g = _wgrad_output(spec, arch, g) if k is None and not ring else _with_epi_store(g)
+    return _ring_stages(arch, g) if g.epi_store == "ring" else g
 
 
 def _wgrad_small_groups(spec: Spec, arch: Arch) -> bool:
@@ -565,11 +567,10 @@ def _with_consumer(arch: Arch, g: GemmPlan, consumer: str) -> GemmPlan:
 
 
 def _epi_buffers_text(g: GemmPlan) -> str:
-    """--explain's words for GEMM `g`'s epilogue buffers (counted in its shared memory either way)."""
-    text = f"epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers"
+    """--explain's words for GEMM `g`'s epilogue buffers (none with the ring epilogue)."""
     if g.epi_store == "ring":
-        text += " (allocated; the output itself goes through the stage ring, TMA-stored by the storer warp)"
-    return text
+        return "no epilogue buffers (the output goes through the stage ring, TMA-stored by the storer warp)"
+    return f"epilogue {g.tile_m}x{g.epi_n} x{g.epi_stages} buffers"
 
 
 def z_stage_problem(g: GemmPlan) -> str | None:
@@ -751,10 +752,42 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any], given: Iterable[
             own = _backward_gemm(plan.spec, get_arch(plan.arch), name, plan.bm, g.bn, ring=True)
             g = dataclasses.replace(g, **{f: getattr(own, f) for f in ("epi_n", "epi_stages", "stages")
                                           if f"{name}_{f}" not in given})
-            g = dataclasses.replace(g, stages=min(g.stages, _stages_most(get_arch(plan.arch), g)))
+            g = dataclasses.replace(g, stages=min(g.stages, _stages_most(get_arch(plan.arch), dataclasses.replace(
+                g, epi_store="ring"))))
         gemms[name] = dataclasses.replace(g, epi_store=mode)
+    for name, g in gemms.items():
+        gemms[name] = _fit_epilogue(get_arch(plan.arch), name, g, given)
     backward = plan.backward and dataclasses.replace(plan.backward, **{n: gemms[n] for n in BACKWARD_GEMMS})
     return dataclasses.replace(plan, gemm1=gemms["gemm1"], gemm2=gemms["gemm2"], backward=backward)
+
+
+def _ring_stages(arch: Arch, g: GemmPlan) -> GemmPlan:
+    """Ring-epilogue GEMM `g` with the most stages that fit (no epilogue buffers beside them), never fewer than it
+    has; a staggered FP8 promotion keeps as many stages as the tile has K blocks at most (stagger_problem)."""
+    most = min(MAX_STAGES, _stages_most(arch, g))
+    if g.promote == "stagger" and g.k_tiles:
+        most = min(most, g.k_tiles)
+    return dataclasses.replace(g, stages=max(g.stages, most))
+
+
+def _fit_epilogue(arch: Arch, name: str, g: GemmPlan, given: set[str]) -> GemmPlan:
+    """GEMM `name`'s stages against its output path, once that is settled: a ring epilogue has no epilogue buffers,
+    so their bytes hold more stages (the most that fit, unless `given` names its stages); a GEMM whose stages were
+    fitted to the ring and that stores through the buffers after all (two CTAs per SM, a cluster: epi_ring_problem)
+    gets them back: the default buffers where its own are not asked for and no longer leave MIN_STAGES, then the
+    stages that fit (a stage count asked for that does not fit is an error)."""
+    if g.epi_store == "ring":
+        return g if f"{name}_stages" in given else _ring_stages(arch, g)
+    if g.smem_bytes() <= smem_budget(arch, g):
+        return g
+    if (_stages_most(arch, g) < MIN_STAGES and not {f"{name}_epi_n", f"{name}_epi_stages", "epi_n", "epi_stages"} & given):
+        g = dataclasses.replace(g, epi_n=EPI_N, epi_stages=EPI_BUFFERS)
+    most = _stages_most(arch, g)
+    if f"{name}_stages" in given and g.stages > most or most < MIN_STAGES:
+        raise PlanError(f"plan.{name}_stages: {g.stages} stages of {name}'s {g.tile_m} x {g.bn} tile and its epilogue "
+                        f"buffers ({g.epi_stages} x {g.epi_n} columns) do not fit {smem_budget(arch, g)} B of shared "
+                        f"memory (at most {most})")
+    return dataclasses.replace(g, stages=min(g.stages, most))
 
 
 def solve(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Plan:
@@ -982,7 +1015,8 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     fp8_bn = {k: overrides[k] for k in FP8_BN_KEYS if k in overrides}
     rest = {k: v for k, v in overrides.items()
             if k not in promote_keys and k not in scale_keys
-            and k not in ("dgrad1_z_chunk", "dgrad1_z_load", "gemm1_h_quant", "gemm1_a_load") and k not in fp8_bn}
+            and k not in ("dgrad1_z_chunk", "dgrad1_z_load", "gemm1_h_quant", "gemm1_a_load") and k not in fp8_bn
+            and k not in FP8_DGRAD_STAGE_KEYS}   # the FP8 dgrads' stages: on their FP8 tiles, below
     # the GEMMs that keep the default 256-column tile: those whose tile no override fixes
     wide = _fp8_wide_kept(overrides)
     if not rest:
@@ -1054,6 +1088,18 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
                                 f"{a.name}, got {stages}")
             g = dataclasses.replace(g, stages=stages)
             g1, g2 = (g, g2) if which == 1 else (g1, g)
+    for key in FP8_DGRAD_STAGE_KEYS:   # the same for the dgrads, on their FP8 tiles (not the BF16 plan's)
+        if key in overrides:
+            if plan.backward is None:
+                raise PlanError(f"plan.{key}: this plan has no backward kernels")
+            name = key.removesuffix("_stages")
+            g = getattr(plan.backward, name)
+            stages = _int_override(key, overrides[key])
+            if not MIN_STAGES <= stages <= g.stages:
+                raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {g.stages}] for the FP8 {name} on "
+                                f"{a.name}, got {stages}")
+            plan = dataclasses.replace(plan, backward=dataclasses.replace(
+                plan.backward, **{name: dataclasses.replace(g, stages=stages)}))
     gemms = {"gemm1": g1, "gemm2": g2, "dgrad1": plan.backward.dgrad1, "dgrad2": plan.backward.dgrad2} \
         if plan.backward is not None else {"gemm1": g1, "gemm2": g2}
     for name in gemms:
@@ -1276,6 +1322,7 @@ FP8_PROMOTE = ("overlap", "overlap", "serial", "serial")
 FP8_WIDE = {1: "gemm1", 2: "gemm2", 3: "dgrad1", 4: "dgrad2"}
 FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
 FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
+FP8_DGRAD_STAGE_KEYS = ("dgrad1_stages", "dgrad2_stages")
 FP8_BNS = (FP8_BN, 2 * FP8_BN)
 
 
@@ -1585,6 +1632,9 @@ def _backward_overrides(spec: Spec, a: Arch, plan: Plan, overrides: Mapping[str,
         if key in overrides:
             g = bwd[name]
             stages, most = _int_override(key, overrides[key]), _stages_most(a, g)
+            if epi_ring_problem(g)[0] is None:   # the ring (no epilogue buffers) may still be asked for: the
+                # output path is settled last, and _fit_epilogue checks the stages against the one taken
+                most = max(most, _stages_most(a, dataclasses.replace(g, epi_store="ring")))
             if not MIN_STAGES <= stages <= most:
                 raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {most}] for {name} bn {g.bn} "
                                 f"({g.consumer}) on {a.name}, got {stages}")
@@ -1673,7 +1723,7 @@ def _explain_gemm(spec: Spec, arch: Arch, which: int, g: GemmPlan, c: _GemmCost)
     else:
         bn_rule = f"hidden {n} % {g.bn} = 0"
     stage = _stage_bytes(g.bn, g.consumer)
-    fit = _stages_bound(arch, g.bn, g.consumer)
+    fit = _stages_bound(arch, g.bn, g.consumer, ring=g.epi_store == "ring")
     used = g.smem_bytes()
     r_fit = _raster_bound(arch, k, g.bn)
     waves = c.tiles / arch.sms

@@ -152,9 +152,10 @@ class GemmPlan:
         return max(1, self.raster_group * (group_m // self.tile_m) // self.cluster)
 
     def smem_bytes(self, parts_bn: int | None = None) -> int:
-        """Shared memory of the grouped-GEMM kernel: the stage ring, the epilogue buffers, the barriers."""
+        """Shared memory of the grouped-GEMM kernel: the stage ring, the epilogue buffers (none where the output
+        goes through the stage ring, epi_store "ring": the kernel allocates none), the barriers."""
         bn = self.bn if parts_bn is None else parts_bn
-        epi_sets = 2 if self.consumer == "pingpong" else 1
+        epi_sets = 0 if self.epi_store == "ring" else 2 if self.consumer == "pingpong" else 1
         return (self.stages * ((self.tile_m + bn) * self.bk * self.elem_bytes + self.stage_scale_bytes)
                 + epi_sets * self.tile_m * self.epi_n * ELEM_BYTES * self.epi_stages + BARRIER_BYTES)
 

@@ -2,6 +2,7 @@
 overrides that apply and those refused, candidates and round trips. CPU only."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -113,8 +114,14 @@ def test_fp8_overrides():
         "gemm1_bn: FP8 tiles are 128 or 256 columns wide"]
     assert configs.check_config(spec, "sm_90a", {"schedule": "fused"}) == [
         "schedule: the FP8 forward runs the chain schedule"]
-    assert configs.check_config(spec, "sm_90a", {"dgrad1_stages": 3}) == [
-        "dgrad1_stages: the FP8 dgrad's tile is fixed (stages)"]
+    # the FP8 dgrads' stages: on their FP8 tiles (the most that fit by default), not the BF16 plan's
+    assert configs.check_config(spec, "sm_90a", {"dgrad1_stages": 3}) == []
+    assert solve(spec, dgrad1_stages=5).backward.dgrad1.stages == 5
+    assert solve(spec, dgrad2_stages=3).backward.dgrad2.stages == 3
+    most = solve(spec).backward.dgrad1.stages
+    msg = f"dgrad1_stages: must be in [3, {most}] for the FP8 dgrad1 on sm_90a, got {most + 1}"
+    with pytest.raises(PlanError, match=rf"^plan\.{re.escape(msg)}$"):
+        solve(spec, dgrad1_stages=most + 1)
     assert configs.check_config(spec, "sm_90a", {"dgrad1_bn": 256}) == []   # opt-in: plan.fp8_widen
     assert configs.check_config(load_spec("gpt-oss-120b-fp8"), "sm_90a", {"dgrad1_bn": 256}) == [
         "dgrad1_bn: 256 columns need ffn a multiple of 256 (the dSwiGLU epilogue's tiles divide it), got 2880"]
@@ -171,7 +178,7 @@ def test_fp8_emit():
 def test_fp8_tune_space(name):
     """What `mokgen tune` / `tune --train` enumerate for an FP8 spec: the promotion modes, the tiles' N, GEMM 1's A
     path, where h is quantized and the cluster forward; the dgrads' output
-    path, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
+    path and stages, dgrad1's z path and z chunk and the BF16 wgrads' knobs backward; every config solves to a plan passing the constraints."""
     spec = load_spec(name)
     fwd = list(configs.enumerate_configs(spec))
     modes = ("serial", "stagger", "overlap")
@@ -193,7 +200,9 @@ def test_fp8_tune_space(name):
     assert bwd and all(next(iter(c)).startswith(("wgrad", "dgrad1_z_chunk", "dgrad1_z_load", "dgrad1_epi_store",
                                                  "dgrad2_epi_store", "dgrad1_promote", "dgrad2_promote",
                                                  "bwd_streams", "bwd_x_cols", "dgrad1_bn", "dgrad2_bn",
-                                                 "dgrad1_raster_group", "dgrad2_raster_group")) for c in bwd)
+                                                 "dgrad1_raster_group", "dgrad2_raster_group", "dgrad1_stages",
+                                                 "dgrad2_stages")) for c in bwd)
+    assert {"dgrad1_stages": 4} in bwd   # on the FP8 tile (the BF16 plan's 256-column tile took none of these)
     assert {"dgrad1_promote", "dgrad2_promote"} <= {next(iter(c)) for c in bwd}
     assert {"bwd_x_cols": "forward"} in bwd   # x's FP8 columns from the forward's x quantizer (FP8 wgrad1)
     assert {"dgrad2_bn": 128} in bwd   # the default is 256 (plan.FP8_WIDE_DEFAULT)
