@@ -61,6 +61,32 @@ def test_emit_is_deterministic_and_headed(name):
     assert set(a.files) == expected
 
 
+@pytest.mark.parametrize("name, forms", [("gpt-oss-120b", {True}), ("kimi-k2-fp8", {True, False}),
+                                         ("qwen3-30b-a3b", {False})])   # ring everywhere, both, none (ping-pong)
+def test_ring_epilogue_allocates_no_epilogue_buffers(name, forms):
+    """A GEMM whose output goes through the stage ring (epi_store "ring") declares no epilogue buffers (sC), and
+    the plan counts none: the bytes hold stages. The buffered GEMMs keep theirs."""
+    from mokgen.plan import BACKWARD_GEMMS, get_arch
+    plan = solve(load_spec(name), "sm_90a")
+    files = emit(plan).files
+    gemms = {"gemm1": plan.gemm1, "gemm2": plan.gemm2, **{n: getattr(plan.backward, n) for n in BACKWARD_GEMMS},
+             "gemm1_train": plan.backward.gemm1_train or plan.gemm1}
+    kinds = set()
+    for kernel, g in gemms.items():
+        text = files[f"{kernel}.py"]
+        ring = "EPI_RING = True" in text
+        assert ring == (g.epi_store == "ring"), kernel
+        assert ("sC: cute.struct" in text) == (not ring), kernel
+        assert f"STAGES = {g.stages}" in text, kernel
+        buffers = dataclasses.replace(g, epi_store="smem").smem_bytes() - g.smem_bytes()
+        assert buffers == (0 if not ring else g.tile_m * g.epi_n * 2 * g.epi_stages), kernel
+        if ring:   # the most stages that fit beside nothing but the barriers (capped at 7)
+            assert g.stages == 7 or dataclasses.replace(g, stages=g.stages + 1).smem_bytes() > get_arch(
+                "sm_90a").smem_per_cta, kernel
+        kinds.add(ring)
+    assert kinds == forms
+
+
 def test_emit_follows_the_plan():
     spec = load_spec("gpt-oss-120b")
     plan = solve(spec, "sm_90a")
