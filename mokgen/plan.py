@@ -244,8 +244,9 @@ def _backward_bn_problem(spec: Spec, arch: Arch, name: str, bn: Any) -> str | No
 
 
 def _stages_most(arch: Arch, g: GemmPlan) -> int:
-    """The most pipeline stages (capped at MAX_STAGES) whose ring, with `g`'s epilogue buffers and the barriers,
-    fits the CTA's shared memory (GemmPlan.smem_bytes; its share of the SM's with ctas_per_sm 2: smem_budget)."""
+    """The most pipeline stages (capped at MAX_STAGES) whose ring, with `g`'s epilogue buffers (none for a ring
+    epilogue) and the barriers, fits the CTA's shared memory (GemmPlan.smem_bytes; its share of the SM's with
+    ctas_per_sm 2: smem_budget)."""
     fixed = dataclasses.replace(g, stages=0).smem_bytes()
     return min(MAX_STAGES, (smem_budget(arch, g) - fixed) // ((g.tile_m + g.bn) * g.bk * g.elem_bytes
                                                               + g.stage_scale_bytes))
@@ -1456,8 +1457,8 @@ def fp8_wgrad_wide(spec: Spec, arch: Arch, name: str, g: GemmPlan) -> GemmPlan:
 
 
 def _fp8_fill_stages(arch: Arch, g: GemmPlan) -> GemmPlan:
-    """FP8 GEMM `g` with as many 1-byte stages as fit the shared memory beside its epilogue buffers and barriers
-    (within [MIN_STAGES, MAX_STAGES])."""
+    """FP8 GEMM `g` with as many 1-byte stages as fit the shared memory beside its epilogue buffers (none for a ring
+    epilogue) and barriers (within [MIN_STAGES, MAX_STAGES])."""
     stage = (g.tile_m + g.bn) * g.bk + g.stage_scale_bytes
     most = (arch.smem_per_cta - (g.smem_bytes() - g.stages * stage)) // stage
     return dataclasses.replace(g, stages=max(MIN_STAGES, min(MAX_STAGES, most)))
