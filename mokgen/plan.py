@@ -781,10 +781,11 @@ def _fit_epilogue(arch: Arch, name: str, g: GemmPlan, given: set[str]) -> GemmPl
         return g if f"{name}_stages" in given else _ring_stages(arch, g)
     if g.smem_bytes() <= smem_budget(arch, g):
         return g
-    if (_stages_most(arch, g) < MIN_STAGES and not {f"{name}_epi_n", f"{name}_epi_stages", "epi_n", "epi_stages"} & given):
+    own_epi = {f"{name}_epi_n", f"{name}_epi_stages", "epi_n", "epi_stages"} & given
+    if _stages_most(arch, g) < MIN_STAGES and not own_epi:
         g = dataclasses.replace(g, epi_n=EPI_N, epi_stages=EPI_BUFFERS)
     most = _stages_most(arch, g)
-    if f"{name}_stages" in given and g.stages > most or most < MIN_STAGES:
+    if (f"{name}_stages" in given and g.stages > most) or most < MIN_STAGES:
         raise PlanError(f"plan.{name}_stages: {g.stages} stages of {name}'s {g.tile_m} x {g.bn} tile and its epilogue "
                         f"buffers ({g.epi_stages} x {g.epi_n} columns) do not fit {smem_budget(arch, g)} B of shared "
                         f"memory (at most {most})")

@@ -298,6 +298,14 @@ def test_wgrad_output_path_by_group_rows():
     old = P.solve(q30, "sm_90a", wgrad1_bn=256, wgrad1_epi_store="ring").backward.wgrad1
     assert (old.bn, old.epi_n, old.epi_stages, old.stages) == (256, 32, 2, 4)   # the ring before both rules
     assert P.solve(q30, "sm_90a", epi_store="ring").backward.wgrad2.stages == 7
+    # a stage count is checked against the output path the GEMM ends on: 7 fit the ring, not the buffers (one line)
+    assert P.solve(q30, "sm_90a", wgrad1_epi_store="ring", wgrad1_stages=7).backward.wgrad1.stages == 7
+    with pytest.raises(P.PlanError, match=r"^plan\.wgrad1_stages: 7 stages of wgrad1's 128 x 128 tile and its "
+                                          r"epilogue buffers \(4 x 64 columns\) do not fit .* \(at most 5\)$"):
+        P.solve(q30, "sm_90a", wgrad1_stages=7)
+    # fitted to the ring, stored through the buffers after all (a cluster pair: no ring): the stages that fit them
+    k2 = P.solve(load_spec("kimi-k2"), "sm_90a", dgrad2_cluster=2).backward.dgrad2
+    assert k2.epi_store == "smem" and k2.smem_bytes() <= P.get_arch("sm_90a").smem_per_cta
     mine = P.solve(q30, "sm_90a", wgrad1_epi_store="ring", wgrad1_stages=3,
                    wgrad1_epi_n=64).backward.wgrad1   # the ones named keep their values
     assert (mine.epi_store, mine.stages, mine.epi_n, mine.epi_stages) == ("ring", 3, 64, 2)
