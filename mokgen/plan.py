@@ -753,9 +753,7 @@ def _settle_epi_store(plan: Plan, overrides: Mapping[str, Any], given: Iterable[
             own = _backward_gemm(plan.spec, get_arch(plan.arch), name, plan.bm, g.bn, ring=True)
             g = dataclasses.replace(g, **{f: getattr(own, f) for f in ("epi_n", "epi_stages", "stages")
                                           if f"{name}_{f}" not in given})
-            g = dataclasses.replace(g, stages=min(g.stages, _stages_most(get_arch(plan.arch), dataclasses.replace(
-                g, epi_store="ring"))))
-        gemms[name] = dataclasses.replace(g, epi_store=mode)
+        gemms[name] = dataclasses.replace(g, epi_store=mode)   # its stages against the path: _fit_epilogue
     for name, g in gemms.items():
         gemms[name] = _fit_epilogue(get_arch(plan.arch), name, g, given)
     backward = plan.backward and dataclasses.replace(plan.backward, **{n: gemms[n] for n in BACKWARD_GEMMS})
@@ -776,19 +774,20 @@ def _fit_epilogue(arch: Arch, name: str, g: GemmPlan, given: set[str]) -> GemmPl
     so their bytes hold more stages (the most that fit, unless `given` names its stages); a GEMM whose stages were
     fitted to the ring and that stores through the buffers after all (two CTAs per SM, a cluster: epi_ring_problem)
     gets them back: the default buffers where its own are not asked for and no longer leave MIN_STAGES, then the
-    stages that fit (a stage count asked for that does not fit is an error)."""
-    if g.epi_store == "ring":
-        return g if f"{name}_stages" in given else _ring_stages(arch, g)
+    stages that fit (a stage count asked for that does not fit is an error, on either path)."""
+    ring = g.epi_store == "ring"
+    if ring and f"{name}_stages" not in given:
+        return _ring_stages(arch, g)
     if g.smem_bytes() <= smem_budget(arch, g):
         return g
     own_epi = {f"{name}_epi_n", f"{name}_epi_stages", "epi_n", "epi_stages"} & given
-    if _stages_most(arch, g) < MIN_STAGES and not own_epi:
+    if not ring and _stages_most(arch, g) < MIN_STAGES and not own_epi:
         g = dataclasses.replace(g, epi_n=EPI_N, epi_stages=EPI_BUFFERS)
     most = _stages_most(arch, g)
     if (f"{name}_stages" in given and g.stages > most) or most < MIN_STAGES:
-        raise PlanError(f"plan.{name}_stages: {g.stages} stages of {name}'s {g.tile_m} x {g.bn} tile and its epilogue "
-                        f"buffers ({g.epi_stages} x {g.epi_n} columns) do not fit {smem_budget(arch, g)} B of shared "
-                        f"memory (at most {most})")
+        beside = "the stage ring's output" if ring else f"its epilogue buffers ({g.epi_stages} x {g.epi_n} columns)"
+        raise PlanError(f"plan.{name}_stages: {g.stages} stages of {name}'s {g.tile_m} x {g.bn} tile and {beside} "
+                        f"do not fit {smem_budget(arch, g)} B of shared memory (at most {most})")
     return dataclasses.replace(g, stages=min(g.stages, most))
 
 
@@ -1081,29 +1080,19 @@ def _solve_dtype_gemms(spec: Spec, arch: str = "sm_90a", **overrides: Any) -> Pl
     elif any(k.startswith("dgrad") for k in scale_keys):
         raise PlanError(f"plan.{next(k for k in scale_keys if k.startswith('dgrad'))}: this plan has no backward "
                         f"kernels")
-    for which in (1, 2):   # stage overrides, within what fits 1-byte stages (fp8_gemm takes the most that fit)
-        if (key := f"gemm{which}_stages") in rest:
-            g = g1 if which == 1 else g2
-            stages = _int_override(key, rest[key])
-            if not MIN_STAGES <= stages <= g.stages:
-                raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {g.stages}] for the FP8 GEMM {which} on "
-                                f"{a.name}, got {stages}")
-            g = dataclasses.replace(g, stages=stages)
-            g1, g2 = (g, g2) if which == 1 else (g1, g)
-    for key in FP8_DGRAD_STAGE_KEYS:   # the same for the dgrads, on their FP8 tiles (not the BF16 plan's)
-        if key in overrides:
-            if plan.backward is None:
-                raise PlanError(f"plan.{key}: this plan has no backward kernels")
-            name = key.removesuffix("_stages")
-            g = getattr(plan.backward, name)
-            stages = _int_override(key, overrides[key])
-            if not MIN_STAGES <= stages <= g.stages:
-                raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {g.stages}] for the FP8 {name} on "
-                                f"{a.name}, got {stages}")
-            plan = dataclasses.replace(plan, backward=dataclasses.replace(
-                plan.backward, **{name: dataclasses.replace(g, stages=stages)}))
     gemms = {"gemm1": g1, "gemm2": g2, "dgrad1": plan.backward.dgrad1, "dgrad2": plan.backward.dgrad2} \
         if plan.backward is not None else {"gemm1": g1, "gemm2": g2}
+    for name in FP8_GEMM_INDEX:   # stage overrides, within what fits the FP8 tile (fp8_gemm takes the most that fit;
+        # the dgrads' on their FP8 tiles, not the BF16 plan's)
+        if (key := f"{name}_stages") not in overrides:
+            continue
+        if name not in gemms:
+            raise PlanError(f"plan.{key}: this plan has no backward kernels")
+        g, stages = gemms[name], _int_override(key, overrides[key])
+        if not MIN_STAGES <= stages <= g.stages:
+            raise PlanError(f"plan.{key}: must be in [{MIN_STAGES}, {g.stages}] for the FP8 "
+                            f"{_FP8_TITLES.get(name, name)} on {a.name}, got {stages}")
+        gemms[name] = dataclasses.replace(g, stages=stages)
     for name in gemms:
         key = next((k for k in (f"{name}_promote", "promote") if k in overrides), None)
         if key is not None:
@@ -1325,6 +1314,7 @@ FP8_WIDE = {1: "gemm1", 2: "gemm2", 3: "dgrad1", 4: "dgrad2"}
 FP8_GEMM_INDEX = {"gemm1": 1, "gemm2": 2, "dgrad1": 3, "dgrad2": 4}
 FP8_BN_KEYS = tuple(f"{n}_bn" for n in FP8_GEMM_INDEX)
 FP8_DGRAD_STAGE_KEYS = ("dgrad1_stages", "dgrad2_stages")
+_FP8_TITLES = {"gemm1": "GEMM 1", "gemm2": "GEMM 2"}
 FP8_BNS = (FP8_BN, 2 * FP8_BN)
 
 
